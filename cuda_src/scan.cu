@@ -1,0 +1,154 @@
+// scan.cu -- the sequential state scan (LeetDecoding's causal_dot_product method).
+//
+//   S_i = gamma_h * S_{i-1} + k_i^T v_i          (Dk x Dv state, fp32)
+//   o_i = scale * q_i S_i
+//
+// One CTA per (batch*head, tile of BV value columns) walks the tokens in order. Thread t owns
+// value column c = t % BV and the KPT state rows g*KPT .. g*KPT+KPT-1 of k-group g = t / BV, all in
+// registers. Tokens come in groups of T: the group is staged in shared memory (the next group is
+// prefetched into registers while the current one is computed), each thread runs the T-step
+// recurrence on its own rows with no barrier in between and leaves its partial q_i S_i in shared
+// memory, and the partials are summed over the k-groups in a fixed order (deterministic) when the
+// group is written out.
+//
+// The decay is applied as S + (gamma - 1) * S with gamma - 1 = expm1(log_decay) held exactly in
+// fp32, so a gamma close to 1 does not drift the way multiplying by a rounded fp32 gamma would.
+#include "rtk_common.cuh"
+
+template <int DT, int KMAX, int BV, int T, int NT>
+__global__ void __launch_bounds__(NT)
+rtk_scan_fwd(const typename rtk_io<DT>::T* __restrict__ q,
+             const typename rtk_io<DT>::T* __restrict__ k,
+             const typename rtk_io<DT>::T* __restrict__ v,
+             typename rtk_io<DT>::T* __restrict__ o,
+             const float* __restrict__ log_decay,     // [H]
+             const float* __restrict__ init_state,    // [B*H, Dk, Dv] fp32, or null
+             float* __restrict__ final_state,         // [B*H, Dk, Dv] fp32, or null
+             int H, int N, int Dk, int Dv, float scale,
+             rtk_i64 q_sb, rtk_i64 q_sh, rtk_i64 q_sn,
+             rtk_i64 k_sb, rtk_i64 k_sh, rtk_i64 k_sn,
+             rtk_i64 v_sb, rtk_i64 v_sh, rtk_i64 v_sn,
+             rtk_i64 o_sb, rtk_i64 o_sh, rtk_i64 o_sn) {
+  typedef rtk_io<DT> io;
+  constexpr int G = NT / BV;        // k-groups
+  constexpr int KPT = KMAX / G;     // state rows per thread
+  static_assert(NT % BV == 0 && KMAX % G == 0, "bad tile");
+  constexpr int QK_ELEMS = T * KMAX;             // one of q or k per group
+  constexpr int QK_PER_THREAD = (QK_ELEMS + NT - 1) / NT;
+  constexpr int V_ELEMS = T * BV;
+  constexpr int V_PER_THREAD = (V_ELEMS + NT - 1) / NT;
+
+  __shared__ float sq[T][KMAX];
+  __shared__ float sk[T][KMAX];
+  __shared__ float sv[T][BV];
+  __shared__ float spart[G][T][BV + 1];
+
+  const int bh = blockIdx.x;
+  const int b = bh / H, h = bh - b * H;
+  const int v0 = blockIdx.y * BV;
+  const int tid = threadIdx.x;
+  const int c = tid % BV, g = tid / BV;
+  const int col = v0 + c;
+
+  const rtk_strides qs = {q_sb, q_sh, q_sn}, ks = {k_sb, k_sh, k_sn};
+  const rtk_strides vs = {v_sb, v_sh, v_sn}, os = {o_sb, o_sh, o_sn};
+  const typename io::T* qb = q + rtk_offset(qs, b, h, 0);
+  const typename io::T* kb = k + rtk_offset(ks, b, h, 0);
+  const typename io::T* vb = v + rtk_offset(vs, b, h, 0);
+  typename io::T* ob = o + rtk_offset(os, b, h, 0);
+
+  const float dm1 = expm1f(log_decay[h]);  // gamma - 1, exact enough in fp32
+
+  float S[KPT];
+  #pragma unroll
+  for (int r = 0; r < KPT; ++r) {
+    const int kr = g * KPT + r;
+    S[r] = (init_state != nullptr && kr < Dk && col < Dv)
+               ? init_state[((rtk_i64)bh * Dk + kr) * Dv + col] : 0.f;
+  }
+
+  // Register prefetch of one token group: q, k (T x KMAX each) and v (T x BV).
+  float pq[QK_PER_THREAD], pk[QK_PER_THREAD], pv[V_PER_THREAD];
+  auto fetch = [&](int n0) {
+    #pragma unroll
+    for (int u = 0; u < QK_PER_THREAD; ++u) {
+      const int e = tid + u * NT;
+      const int tt = e / KMAX, kk = e - tt * KMAX;
+      const rtk_i64 n = (rtk_i64)n0 + tt;
+      const bool ok = e < QK_ELEMS && n < N && kk < Dk;
+      pq[u] = ok ? io::load(qb + n * q_sn + kk) : 0.f;
+      pk[u] = ok ? io::load(kb + n * k_sn + kk) : 0.f;
+    }
+    #pragma unroll
+    for (int u = 0; u < V_PER_THREAD; ++u) {
+      const int e = tid + u * NT;
+      const int tt = e / BV, cc = e - tt * BV;
+      const rtk_i64 n = (rtk_i64)n0 + tt;
+      const bool ok = e < V_ELEMS && n < N && v0 + cc < Dv;
+      pv[u] = ok ? io::load(vb + n * v_sn + v0 + cc) : 0.f;
+    }
+  };
+  auto stage = [&]() {
+    #pragma unroll
+    for (int u = 0; u < QK_PER_THREAD; ++u) {
+      const int e = tid + u * NT;
+      if (e < QK_ELEMS) {
+        const int tt = e / KMAX, kk = e - tt * KMAX;
+        sq[tt][kk] = pq[u];
+        sk[tt][kk] = pk[u];
+      }
+    }
+    #pragma unroll
+    for (int u = 0; u < V_PER_THREAD; ++u) {
+      const int e = tid + u * NT;
+      if (e < V_ELEMS) {
+        const int tt = e / BV, cc = e - tt * BV;
+        sv[tt][cc] = pv[u];
+      }
+    }
+  };
+
+  fetch(0);
+  for (int n0 = 0; n0 < N; n0 += T) {
+    stage();
+    __syncthreads();
+    if (n0 + T < N) fetch(n0 + T);  // in flight while this group is computed
+
+    #pragma unroll 4
+    for (int tt = 0; tt < T; ++tt) {
+      const float vv = sv[tt][c];
+      float part = 0.f;
+      #pragma unroll
+      for (int r = 0; r < KPT; ++r) {
+        const int kr = g * KPT + r;
+        S[r] = fmaf(S[r], dm1, S[r]);         // gamma * S, with gamma = 1 + dm1 exactly
+        S[r] = fmaf(sk[tt][kr], vv, S[r]);
+        part = fmaf(sq[tt][kr], S[r], part);
+      }
+      spart[g][tt][c] = part;
+    }
+    __syncthreads();
+
+    // Sum the partials over the k-groups in a fixed order and write the group's outputs.
+    for (int e = tid; e < T * BV; e += NT) {
+      const int tt = e / BV, cc = e - tt * BV;
+      const rtk_i64 n = (rtk_i64)n0 + tt;
+      if (n < N && v0 + cc < Dv) {
+        float acc = 0.f;
+        #pragma unroll
+        for (int gg = 0; gg < G; ++gg) acc += spart[gg][tt][cc];
+        io::store(ob + n * o_sn + v0 + cc, acc * scale);
+      }
+    }
+    // No third barrier: the next stage() writes sq/sk/sv, which every thread stopped reading
+    // before the barrier above, and spart is written again only after the next group's barrier.
+  }
+
+  if (final_state != nullptr && col < Dv) {
+    #pragma unroll
+    for (int r = 0; r < KPT; ++r) {
+      const int kr = g * KPT + r;
+      if (kr < Dk) final_state[((rtk_i64)bh * Dk + kr) * Dv + col] = S[r];
+    }
+  }
+}

@@ -1,0 +1,11 @@
+"""rtkernels: exponentially decaying causal linear attention, every method, correct and fast.
+
+    o_i = scale * sum_{j <= i} gamma_h^(i-j) (q_i . k_j) v_j
+"""
+
+from .api import DTYPES, LAYOUTS, METHOD_NAMES, causal_linear_attention
+from .methods import METHODS
+
+__version__ = "0.1.0"
+
+__all__ = ["causal_linear_attention", "METHODS", "METHOD_NAMES", "LAYOUTS", "DTYPES", "__version__"]

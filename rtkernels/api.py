@@ -1,0 +1,215 @@
+"""The public entry point: argument checking, layouts, decay normalisation and method dispatch."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Optional, Union
+
+import torch
+
+from .methods import METHODS, auto_method, run_method
+
+__all__ = ["causal_linear_attention", "LAYOUTS", "METHOD_NAMES", "DTYPES"]
+
+#: Accepted ``layout`` values and the axis order each names.
+LAYOUTS = {"bhnd": "[B, H, N, D]", "bnhd": "[B, N, H, D]"}
+#: Accepted ``method`` values.
+METHOD_NAMES = (*METHODS, "auto")
+#: Accepted input dtypes.
+DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+Array = Any  # a torch.Tensor or an object with __cuda_array_interface__ (e.g. a CuPy array)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool,)) and not hasattr(x, "__cuda_array_interface__") \
+        and not isinstance(x, torch.Tensor)
+
+
+def _to_torch(x: Any, name: str) -> tuple[torch.Tensor, str]:
+    """(tensor, kind) with kind "torch" or "cupy"; TypeError for anything else."""
+    if isinstance(x, torch.Tensor):
+        return x, "torch"
+    if hasattr(x, "__cuda_array_interface__"):
+        try:
+            return torch.from_dlpack(x), "cupy"
+        except Exception:  # an array type without DLPack support
+            return torch.as_tensor(x, device="cuda"), "cupy"
+    raise TypeError(f"{name} must be a torch.Tensor or a CUDA array (an object with "
+                    f"__cuda_array_interface__, e.g. a CuPy array), got {type(x).__name__}")
+
+
+def _fmt_dtype(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _check_inputs(q: Any, k: Any, v: Any, layout: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(repr(x) for x in LAYOUTS)}, got {layout!r}")
+    converted = [_to_torch(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
+    kinds = {kind for _, kind in converted}
+    if len(kinds) > 1:
+        raise TypeError("q, k and v must all be torch tensors or all be CUDA arrays (CuPy), got "
+                        + ", ".join(f"{n} {kind}" for n, (_, kind) in zip("qkv", converted)))
+    (qt, _), (kt, _), (vt, _) = converted
+    axes = LAYOUTS[layout]
+    for t, n, d in ((qt, "q", "Dk"), (kt, "k", "Dk"), (vt, "v", "Dv")):
+        if t.dim() != 4:
+            raise ValueError(f"{n} must be a 4-D tensor {axes.replace('D]', d + ']')} for layout={layout!r}, "
+                             f"got {t.dim()}-D shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise TypeError(f"{n} must have dtype float64, float32, float16 or bfloat16, got "
+                            f"{_fmt_dtype(t.dtype)}")
+    if not (qt.dtype == kt.dtype == vt.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got q {_fmt_dtype(qt.dtype)}, "
+                        f"k {_fmt_dtype(kt.dtype)}, v {_fmt_dtype(vt.dtype)}")
+    if not (qt.device == kt.device == vt.device):
+        raise ValueError(f"q, k and v must be on one device, got q on {qt.device}, k on {kt.device}, "
+                         f"v on {vt.device}")
+    if layout == "bnhd":
+        qt, kt, vt = (t.transpose(1, 2) for t in (qt, kt, vt))
+    lead = tuple(qt.shape[:3])
+    for t, n in ((kt, "k"), (vt, "v")):
+        if tuple(t.shape[:3]) != lead:
+            raise ValueError(f"{n} must have the batch, head and sequence sizes of q: expected "
+                             f"(B, H, N) = {lead}, got {tuple(t.shape[:3])} (layout={layout!r})")
+    if kt.shape[3] != qt.shape[3]:
+        raise ValueError(f"k must have the key dimension Dk of q: expected {qt.shape[3]}, got {kt.shape[3]}")
+    for t, n, d in ((qt, "q", "Dk"), (vt, "v", "Dv")):
+        if t.shape[3] == 0:
+            raise ValueError(f"{n} must have {d} >= 1, got shape {tuple(t.shape)}")
+    return qt, kt, vt, next(iter(kinds))
+
+
+def _check_factor_or_rate(value: Any, name: str, h: int, device: torch.device) -> torch.Tensor:
+    """Per-head log-decay (float64, [H], on ``device``) from a decay factor or a decay rate."""
+    is_rate = name == "decay_rate"
+    expect = "a rate r >= 0" if is_rate else "a factor gamma in (0, 1]"
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a float or a tensor of shape [H] = [{h}], got bool")
+    if _is_number(value):
+        x = float(value)
+        ok = math.isfinite(x) and (x >= 0 if is_rate else 0 < x <= 1)
+        if not ok:
+            raise ValueError(f"{name} must be {expect}, got {x}")
+        lg = -x if is_rate else math.log(x)
+        return torch.full((h,), lg, dtype=torch.float64, device=device)
+    if isinstance(value, torch.Tensor) or hasattr(value, "__cuda_array_interface__"):
+        t, _ = _to_torch(value, name)
+    else:
+        raise TypeError(f"{name} must be a float or a tensor of shape [H] = [{h}], got {type(value).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must have a floating dtype, got {_fmt_dtype(t.dtype)}")
+    if tuple(t.shape) != (h,):
+        raise ValueError(f"{name} must be a float or a tensor of shape [H] = [{h}], got shape {tuple(t.shape)}")
+    if t.device != device and t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the device of q ({device}) or on the CPU, got {t.device}")
+    t = t.detach().to(torch.float64)
+    good = (t >= 0) & (t < math.inf) if is_rate else (t > 0) & (t <= 1)  # NaN fails both
+    if not bool(good.all()):  # one host sync for a CUDA tensor; none for a CPU tensor
+        bad = t[~good][0].item()
+        raise ValueError(f"{name} must hold {expect} per head, got {bad}")
+    lg = -t if is_rate else torch.log(t)
+    return lg.to(device)
+
+
+def _log_decay(decay: Any, decay_rate: Any, h: int, device: torch.device) -> torch.Tensor:
+    if decay is not None and decay_rate is not None:
+        raise ValueError("pass decay (factors gamma) or decay_rate (rates r, gamma = exp(-r)), not both")
+    if decay is not None:
+        return _check_factor_or_rate(decay, "decay", h, device)
+    if decay_rate is not None:
+        return _check_factor_or_rate(decay_rate, "decay_rate", h, device)
+    return torch.zeros(h, dtype=torch.float64, device=device)
+
+
+def _check_state(initial_state: Any, q: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
+    if initial_state is None:
+        return None
+    s, _ = _to_torch(initial_state, "initial_state")
+    expected = (q.shape[0], q.shape[1], q.shape[3], v.shape[3])
+    if tuple(s.shape) != expected:
+        raise ValueError(f"initial_state must have shape [B, H, Dk, Dv] = {list(expected)}, got {tuple(s.shape)}")
+    if s.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"initial_state must be float32 (or float64), got {_fmt_dtype(s.dtype)}")
+    if s.device != q.device:
+        raise ValueError(f"initial_state must be on the device of q ({q.device}), got {s.device}")
+    return s
+
+
+def causal_linear_attention(
+    q: Array, k: Array, v: Array, decay: Union[None, float, Array] = None, *,
+    decay_rate: Union[None, float, Array] = None, scale: float = 1.0, method: str = "auto",
+    layout: str = "bhnd", initial_state: Optional[Array] = None, return_state: bool = False,
+) -> Any:
+    r"""Exponentially decaying causal linear attention.
+
+    .. math:: o_i = \text{scale} \sum_{j \le i} \gamma_h^{\,i-j} (q_i \cdot k_j)\, v_j
+
+    equivalently ``S_i = gamma S_{i-1} + k_i^T v_i``, ``o_i = scale * q_i S_i``.
+
+    Args:
+        q, k: ``[B, H, N, Dk]`` (``layout="bhnd"``) or ``[B, N, H, Dk]`` (``layout="bnhd"``).
+        v: ``[B, H, N, Dv]`` or ``[B, N, H, Dv]``; Dv independent of Dk.
+            torch tensors in give a torch tensor out; CUDA arrays (CuPy) in give a CuPy array out.
+            dtype float64, float32, float16 or bfloat16, the same for all three; one device.
+        decay: None (gamma = 1, no decay), a float gamma in (0, 1], or a ``[H]`` tensor of
+            factors: ``M[i, j] = gamma ** (i - j)``. A CUDA tensor costs one device sync for the
+            range check; a float or CPU tensor costs none.
+        decay_rate: the same as rates r >= 0: ``M[i, j] = exp(-r (i - j))``. Not with ``decay``.
+        scale: multiplies the output.
+        method: ``"vanilla"``, ``"recursion"``, ``"block"``, ``"fleet"``, ``"scan"``, ``"chunk"``
+            or ``"auto"`` (see the README's methods table; every method gives the same answer).
+        layout: ``"bhnd"`` or ``"bnhd"``.
+        initial_state: optional ``[B, H, Dk, Dv]`` state to continue from (float32; float64 for
+            float64 inputs), e.g. the final state of the previous piece of a sequence.
+        return_state: also return the final state ``S_N`` (float32; float64 for float64 inputs).
+
+    Returns:
+        The output ``[B, H, N, Dv]`` (or ``[B, N, H, Dv]``) in the input dtype, contiguous in the
+        input layout; with ``return_state=True`` the pair ``(output, final_state)``.
+
+    Raises:
+        TypeError / ValueError naming the argument for every malformed input. NaN inside q, k or v
+        is data: it comes out as NaN in exactly the rows it reaches (q_i: row i; k_j, v_j: rows
+        i >= j).
+    """
+    qt, kt, vt, kind = _check_inputs(q, k, v, layout)
+    if not _is_number(scale):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a string, one of {', '.join(METHOD_NAMES)}; got {type(method).__name__}")
+    if method not in METHOD_NAMES:
+        raise ValueError(f"method must be one of {', '.join(repr(m) for m in METHOD_NAMES)}, got {method!r}")
+    if not isinstance(return_state, bool):
+        raise TypeError(f"return_state must be a bool, got {type(return_state).__name__}")
+    b, h, n, _ = qt.shape
+    dv = vt.shape[3]
+    log_decay = _log_decay(decay, decay_rate, h, qt.device)
+    s0 = _check_state(initial_state, qt, vt)
+
+    if layout == "bhnd":
+        out = torch.empty(b, h, n, dv, dtype=qt.dtype, device=qt.device)
+        out_view = out
+    else:
+        out = torch.empty(b, n, h, dv, dtype=qt.dtype, device=qt.device)
+        out_view = out.transpose(1, 2)
+    if out.numel() == 0:
+        state = None
+        if return_state:
+            state = (s0.clone() if s0 is not None else
+                     torch.zeros(b, h, qt.shape[3], dv, dtype=torch.float64 if qt.dtype == torch.float64
+                                 else torch.float32, device=qt.device))
+    else:
+        name = auto_method(qt, vt) if method == "auto" else method
+        state = run_method(name, qt, kt, vt, log_decay, scale, out_view, s0, return_state)
+    if kind == "cupy":
+        import cupy
+
+        out = cupy.from_dlpack(out)
+        state = None if state is None else cupy.from_dlpack(state)
+    return (out, state) if return_state else out

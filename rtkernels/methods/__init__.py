@@ -1,0 +1,83 @@
+"""The computation methods and their dispatch.
+
+Every method computes the same operator (DESIGN.md §1) and has a torch path that runs on any
+device in float64/float32/float16/bfloat16 (float32 accumulation for 16-bit inputs). Methods with
+a CUDA kernel use it on CUDA tensors when CuPy is present and the kernel takes the problem.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..runtime import kernels_available
+from . import block, chunk, fleet, recursion, scan, vanilla
+from ._torch_common import TorchForward, run_torch_path
+
+__all__ = ["Method", "METHODS", "run_method", "auto_method"]
+
+KernelForward = Callable[..., Optional[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Method:
+    """One computation method: its math in ``module.__doc__``, its work/memory in ``complexity``."""
+
+    name: str
+    complexity: str
+    torch_forward: TorchForward
+    kernel_forward: Optional[KernelForward] = None
+    kernel_supports: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None
+
+    def uses_kernel(self, q: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether a call with these inputs runs this method's CUDA kernel."""
+        return (self.kernel_forward is not None and q.is_cuda and self.kernel_supports(q, v)
+                and _kernels_or_warn(q.device))
+
+
+METHODS: dict[str, Method] = {
+    "vanilla": Method("vanilla", "O(N^2 (Dk+Dv)) work, O(N^2) memory", vanilla.torch_forward),
+    "recursion": Method("recursion", "O(N log N Dk Dv) work, O(N D + N Dk Dv / 32) memory",
+                        recursion.torch_forward),
+    "block": Method("block", "O(N C (Dk+Dv) + N Dk Dv) work, O(N D + C^2 + Dk Dv) memory",
+                    block.torch_forward),
+    "fleet": Method("fleet", "O(N Dk Dv) work, O(N D + C Dk Dv) memory", fleet.torch_forward),
+    "scan": Method("scan", "O(N Dk Dv) work in N sequential steps, O(N D + Dk Dv) memory",
+                   scan.torch_forward, scan.kernel_forward, scan.kernel_supports),
+    "chunk": Method("chunk", "O(N C (Dk+Dv) + N Dk Dv) work, O(N D + N Dk Dv / C) memory",
+                    chunk.torch_forward),
+}
+
+_warned_no_cupy = False
+
+
+def _kernels_or_warn(device: torch.device) -> bool:
+    global _warned_no_cupy
+    if kernels_available(device):
+        return True
+    if not _warned_no_cupy:
+        _warned_no_cupy = True
+        warnings.warn("rtkernels: CuPy with a CUDA driver is not available, so CUDA tensors run the "
+                      "torch paths; install rtkernels[cuda12] or rtkernels[cuda13] for the kernels",
+                      RuntimeWarning, stacklevel=4)
+    return False
+
+
+def auto_method(q: torch.Tensor, v: torch.Tensor) -> str:
+    """The method ``method="auto"`` picks until the autotuner exists: the ``scan`` kernel where it
+    runs (CUDA, fp32/fp16/bf16, Dk and Dv <= 256), else the batched torch ``chunk`` path."""
+    return "scan" if METHODS["scan"].uses_kernel(q, v) else "chunk"
+
+
+def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+               scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
+               need_state: bool) -> Optional[torch.Tensor]:
+    """Compute into ``out`` (a ``[B, H, N, Dv]`` view) with method ``name``; return the final state
+    when ``need_state``."""
+    m = METHODS[name]
+    if m.uses_kernel(q, v):
+        return m.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state)
+    return run_torch_path(m.torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)

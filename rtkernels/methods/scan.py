@@ -1,0 +1,83 @@
+"""``scan``: the sequential state scan (LeetDecoding's causal_dot_product method).
+
+    S_i = gamma S_{i-1} + k_i^T v_i,      o_i = scale * q_i S_i       (S: Dk x Dv, fp32)
+
+Work O(N Dk Dv), memory O(Dk Dv) beyond inputs and output, but N sequential steps.
+On a CUDA device with CuPy, fp32/fp16/bf16 inputs with Dk, Dv <= 256 run the ``scan.cu`` kernel
+(one CTA per batch, head and tile of value columns, state in registers, fp32 throughout);
+float64 inputs, larger heads and CPU tensors run the torch path below.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+import torch
+
+from ..runtime import dtype_code, get_function, launch
+from ._torch_common import zero_state
+
+SOURCE = "scan.cu"
+#: Largest Dk and Dv the kernel takes.
+MAX_DIM = 256
+_KMAX = (32, 64, 128, 256)
+
+
+def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+                  initial_state: Optional[torch.Tensor], need_state: bool):
+    """Token by token; gamma * S is formed as S + (gamma - 1) S with gamma - 1 = expm1(log gamma)."""
+    b, h, n, _ = q.shape
+    state = zero_state(q, v, initial_state)
+    dm1 = torch.expm1(log_decay).view(-1, 1, 1)
+    o = torch.empty(b, h, n, v.shape[-1], dtype=q.dtype, device=q.device)
+    for i in range(n):
+        state = state + dm1 * state + k[:, :, i, :, None] * v[:, :, i, None, :]
+        o[:, :, i] = (q[:, :, i, None, :] @ state)[:, :, 0]
+    return o, (state if need_state else None)
+
+
+def kernel_config(dtype: torch.dtype, dk: int, dv: int) -> tuple[int, int, int, int, int]:
+    """Template arguments (DT, KMAX, BV, T, NT) of ``rtk_scan_fwd`` for a problem."""
+    kmax = next(c for c in _KMAX if c >= dk)
+    t = 8 if kmax == 256 else 16
+    nt = 256 if kmax >= 128 else 128
+    return dtype_code(dtype), kmax, 32, t, nt
+
+
+def all_configs() -> list[tuple[int, int, int, int, int]]:
+    """Every template instance :func:`kernel_config` can ask for (the CI compile test uses it)."""
+    return sorted({kernel_config(dt, km, 1) for dt in (torch.float32, torch.float16, torch.bfloat16)
+                   for km in _KMAX})
+
+
+def name_expression(config: tuple[int, ...]) -> str:
+    return "rtk_scan_fwd<" + ", ".join(str(c) for c in config) + ">"
+
+
+def kernel_supports(q: torch.Tensor, v: torch.Tensor) -> bool:
+    return q.dtype in (torch.float32, torch.float16, torch.bfloat16) and \
+        q.shape[-1] <= MAX_DIM and v.shape[-1] <= MAX_DIM
+
+
+def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+                   scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
+                   need_state: bool) -> Optional[torch.Tensor]:
+    """Run ``rtk_scan_fwd`` on ``[B, H, N, D]`` views (any strides with unit stride along D)."""
+    b, h, n, dk = q.shape
+    dv = v.shape[-1]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    config = kernel_config(q.dtype, dk, dv)
+    _, _, bv, _, nt = config
+    dev = q.device.index
+    fn = get_function(SOURCE, name_expression(config), dev)
+    lg = log_decay.to(torch.float32).contiguous()
+    s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    final = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if need_state else None
+    i64 = np.int64
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lg.data_ptr(),
+            0 if s0 is None else s0.data_ptr(), 0 if final is None else final.data_ptr(),
+            np.int32(h), np.int32(n), np.int32(dk), np.int32(dv), np.float32(scale),
+            *(i64(s) for x in (q, k, v, out) for s in x.stride()[:3]))
+    launch(fn, (b * h, -(-dv // bv), 1), (nt, 1, 1), args, dev)
+    return final
