@@ -17,7 +17,7 @@ from ..runtime import kernels_available
 from . import block, chunk, fleet, recursion, scan, vanilla
 from ._torch_common import TorchForward, run_torch_path
 
-__all__ = ["Method", "METHODS", "run_method", "auto_method"]
+__all__ = ["Method", "METHODS", "run_method", "auto_method", "kernel_instances"]
 
 KernelForward = Callable[..., Optional[torch.Tensor]]
 
@@ -81,3 +81,15 @@ def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     if m.uses_kernel(q, v):
         return m.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state)
     return run_torch_path(m.torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)
+
+
+#: Modules with CUDA kernels; each has SOURCE, all_configs() and name_expression(config).
+KERNEL_MODULES = (scan,)
+
+
+def kernel_instances() -> dict[str, list[str]]:
+    """Every template instance the runtime can request, by source file (for the compile test)."""
+    out: dict[str, list[str]] = {}
+    for mod in KERNEL_MODULES:
+        out.setdefault(mod.SOURCE, []).extend(mod.name_expression(c) for c in mod.all_configs())
+    return out

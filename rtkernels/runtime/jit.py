@@ -72,13 +72,16 @@ def get_function(source: str, name_expression: str, device_index: int,
 
 def cupy_stream(device_index: int) -> Any:
     """A CuPy view of torch's current stream on ``device_index`` (cached per stream handle)."""
-    handle = torch.cuda.current_stream(device_index).cuda_stream
-    key = (device_index, handle)
+    ts = torch.cuda.current_stream(device_index)
+    key = (device_index, ts.cuda_stream)
     stream = _streams.get(key)
     if stream is None:
         import cupy
 
-        stream = cupy.cuda.ExternalStream(handle, device_index)
+        if hasattr(cupy.cuda.Stream, "from_external") and hasattr(ts, "__cuda_stream__"):
+            stream = cupy.cuda.Stream.from_external(ts)  # CuPy >= 14 with torch >= 2.10
+        else:
+            stream = cupy.cuda.ExternalStream(ts.cuda_stream, device_index)
         _streams[key] = stream
     return stream
 

@@ -1,0 +1,137 @@
+"""The scan CUDA kernel against the fp64 reference (marker ``gpu``; skipped without a GPU)."""
+
+import pytest
+import torch
+
+import rtkernels
+from rtkernels.methods import METHODS
+
+from reference import reference
+from tolerances import assert_close
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SHAPES = [  # (B, H, N, Dk, Dv)
+    (1, 2, 1, 16, 16), (2, 3, 63, 5, 7), (1, 2, 65, 40, 96), (2, 2, 257, 64, 32),
+    (1, 3, 1000, 96, 160), (1, 2, 4096, 128, 128), (1, 1, 300, 256, 256), (2, 1, 130, 200, 17),
+]
+GAMMAS = (1e-6, 0.5, 0.999999, 1.0)
+
+
+def _inputs(b, h, n, dk, dv, dtype, layout, device="cuda", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (lambda d: (b, h, n, d)) if layout == "bhnd" else (lambda d: (b, n, h, d))
+    q = (torch.randn(shape(dk), generator=g) / dk ** 0.5).to(device, dtype)
+    k = (torch.randn(shape(dk), generator=g) / dk ** 0.5).to(device, dtype)
+    v = torch.randn(shape(dv), generator=g).to(device, dtype)
+    return q, k, v
+
+
+def _heads(gamma, h):
+    # per-head factors around gamma (all equal to gamma when it sits at an end of the range)
+    t = torch.full((h,), gamma, dtype=torch.float64)
+    if 1e-6 < gamma < 0.99:
+        t = t * torch.linspace(0.8, 1.0, h, dtype=torch.float64)
+    return t
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_scan_kernel_matches_fp64(shape, dtype, layout):
+    b, h, n, dk, dv = shape
+    q, k, v = _inputs(b, h, n, dk, dv, dtype, layout)
+    qv, vv = (q, v) if layout == "bhnd" else (q.transpose(1, 2), v.transpose(1, 2))
+    assert METHODS["scan"].uses_kernel(qv, vv), "the kernel must run, not a fallback"
+    for gamma in GAMMAS:
+        decay = _heads(gamma, h)
+        out = rtkernels.causal_linear_attention(q, k, v, decay.float().cuda(), method="scan", layout=layout)
+        assert out.dtype == dtype and out.is_contiguous() and out.shape == v.shape
+        ref, _ = reference(q, k, v, decay, layout=layout)
+        assert_close(out, ref, dtype, f"scan {shape} {dtype} {layout} gamma={gamma}", n=n)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scan_kernel_rate_scale_and_state(dtype):
+    b, h, n, dk, dv = 2, 3, 777, 48, 80
+    q, k, v = _inputs(b, h, n, dk, dv, dtype, "bhnd", seed=1)
+    rate = torch.tensor([0.0, 0.01, 2.0])
+    s0 = torch.randn(b, h, dk, dv, device="cuda")
+    out, state = rtkernels.causal_linear_attention(q, k, v, decay_rate=rate, scale=0.37, method="scan",
+                                                   initial_state=s0, return_state=True)
+    assert state.dtype == torch.float32 and state.shape == (b, h, dk, dv)
+    ref, ref_state = reference(q, k, v, torch.exp(-rate.double()), scale=0.37, initial_state=s0)
+    assert_close(out, ref, dtype, "output")
+    assert_close(state, ref_state, torch.float32, "state")
+    # in two pieces with the state handed over
+    o1, s1 = rtkernels.causal_linear_attention(q[:, :, :300], k[:, :, :300], v[:, :, :300], decay_rate=rate,
+                                               scale=0.37, method="scan", initial_state=s0, return_state=True)
+    o2, s2 = rtkernels.causal_linear_attention(q[:, :, 300:], k[:, :, 300:], v[:, :, 300:], decay_rate=rate,
+                                               scale=0.37, method="scan", initial_state=s1, return_state=True)
+    assert_close(torch.cat([o1, o2], 2), ref, dtype, "two pieces")
+    assert_close(s2, ref_state, torch.float32, "two-piece state")
+
+
+def test_scan_kernel_is_deterministic_and_agrees_with_torch_path():
+    q, k, v = _inputs(2, 4, 2000, 128, 128, torch.bfloat16, "bnhd", seed=2)
+    runs = [rtkernels.causal_linear_attention(q, k, v, 0.99, method="scan", layout="bnhd") for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    torch_path = rtkernels.causal_linear_attention(q.cpu(), k.cpu(), v.cpu(), 0.99, method="chunk", layout="bnhd")
+    assert_close(runs[0], torch_path.double(), torch.bfloat16, "kernel vs torch path")
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_scan_kernel_nan_reaches_only_its_rows(where):
+    b, h, n, d = 2, 2, 150, 64
+    q, k, v = _inputs(b, h, n, d, d, torch.float32, "bhnd", seed=3)
+    t = {"q": q, "k": k, "v": v}[where]
+    t[1, 0, 70, 5] = float("nan")
+    out = rtkernels.causal_linear_attention(q, k, v, 1e-6, method="scan").cpu()
+    nan = torch.isnan(out)
+    expected = torch.zeros_like(nan)
+    if where == "q":
+        expected[1, 0, 70, :] = True
+    elif where == "k":
+        expected[1, 0, 70:, :] = True
+    else:
+        expected[1, 0, 70:, 5] = True
+    assert torch.equal(nan, expected)
+    assert torch.isfinite(out[~expected]).all()
+
+
+def test_scan_kernel_long_sequence_stays_finite():
+    q, k, v = _inputs(1, 2, 65536, 64, 64, torch.bfloat16, "bhnd", seed=4)
+    for gamma in (1.0, 1e-6):
+        out = rtkernels.causal_linear_attention(q, k, v, gamma, method="scan")
+        assert torch.isfinite(out).all()
+
+
+def test_scan_kernel_strided_inputs_and_nondefault_stream():
+    base = torch.randn(2, 3, 500, 2 * 64, device="cuda")
+    q, k = base[..., :64], base[..., 64:]  # stride(-2) = 128: non-contiguous views, unit last stride
+    v = torch.randn(2, 500, 3, 48, device="cuda").transpose(1, 2)  # a bnhd tensor seen as bhnd
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        out = rtkernels.causal_linear_attention(q, k, v, 0.9, method="scan")
+    stream.synchronize()
+    ref, _ = reference(q, k, v, torch.full((3,), 0.9, dtype=torch.float64))
+    assert_close(out, ref, torch.float32, "strided")
+
+
+def test_scan_kernel_cupy_in_cupy_out():
+    cupy = pytest.importorskip("cupy")
+    q, k, v = _inputs(1, 2, 100, 32, 16, torch.float32, "bhnd", seed=5)
+    out = rtkernels.causal_linear_attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), 0.7, method="scan")
+    assert isinstance(out, cupy.ndarray) and out.shape == (1, 2, 100, 16)
+    ref, _ = reference(q, k, v, torch.full((2,), 0.7, dtype=torch.float64))
+    assert_close(torch.as_tensor(cupy.asnumpy(out)), ref, torch.float32, "cupy")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_scan_kernel_on_second_device():
+    q, k, v = _inputs(1, 2, 300, 64, 64, torch.float16, "bhnd", device="cuda:1", seed=6)
+    out = rtkernels.causal_linear_attention(q, k, v, 0.9, method="scan")
+    assert out.device == torch.device("cuda:1")
+    ref, _ = reference(q, k, v, torch.full((2,), 0.9, dtype=torch.float64))
+    assert_close(out, ref, torch.float16, "cuda:1")
