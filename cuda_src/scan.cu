@@ -1,9 +1,14 @@
-// scan.cu -- the sequential state scan (LeetDecoding's causal_dot_product method).
+// scan.cu -- the sequential state scan (LeetDecoding's causal_dot_product method), also the
+// rank-tile kernel of the fleet method.
 //
 //   S_i = gamma_h * S_{i-1} + k_i^T v_i          (Dk x Dv state, fp32)
 //   o_i = scale * q_i S_i
 //
-// One CTA per (batch*head, tile of BV value columns) walks the tokens in order. Thread t owns
+// One CTA per (batch*head, tile of BV value columns, tile of KMAX state rows) walks the tokens in
+// order. With one row tile (gridDim.z == 1, the scan method) it writes the output. With several
+// (the fleet method: the ranks r of sum_r diag(q_r) L_gamma diag(k_r) V split over CTAs) each CTA
+// writes its rank tile's partial output, unscaled, to an fp32 workspace, and fleet.cu's reduction
+// sums the tiles in a fixed order. Thread t owns
 // value column c = t % BV and the KPT state rows g*KPT .. g*KPT+KPT-1 of k-group g = t / BV, all in
 // registers. Tokens come in groups of T: the group is staged in shared memory (the next group is
 // prefetched into registers while the current one is computed), each thread runs the T-step
@@ -24,6 +29,7 @@ rtk_scan_fwd(const typename rtk_io<DT>::T* __restrict__ q,
              const float* __restrict__ log_decay,     // [H]
              const float* __restrict__ init_state,    // [B*H, Dk, Dv] fp32, or null
              float* __restrict__ final_state,         // [B*H, Dk, Dv] fp32, or null
+             float* __restrict__ partial,             // [gridDim.z, B*H, N, Dv] fp32 if gridDim.z > 1
              int H, int N, int Dk, int Dv, float scale,
              rtk_i64 q_sb, rtk_i64 q_sh, rtk_i64 q_sn,
              rtk_i64 k_sb, rtk_i64 k_sh, rtk_i64 k_sn,
@@ -49,6 +55,7 @@ rtk_scan_fwd(const typename rtk_io<DT>::T* __restrict__ q,
   const int tid = threadIdx.x;
   const int c = tid % BV, g = tid / BV;
   const int col = v0 + c;
+  const int r0 = blockIdx.z * KMAX;  // first state row (rank) of this CTA
 
   const rtk_strides qs = {q_sb, q_sh, q_sn}, ks = {k_sb, k_sh, k_sn};
   const rtk_strides vs = {v_sb, v_sh, v_sn}, os = {o_sb, o_sh, o_sn};
@@ -62,7 +69,7 @@ rtk_scan_fwd(const typename rtk_io<DT>::T* __restrict__ q,
   float S[KPT];
   #pragma unroll
   for (int r = 0; r < KPT; ++r) {
-    const int kr = g * KPT + r;
+    const int kr = r0 + g * KPT + r;
     S[r] = (init_state != nullptr && kr < Dk && col < Dv)
                ? init_state[((rtk_i64)bh * Dk + kr) * Dv + col] : 0.f;
   }
@@ -75,9 +82,9 @@ rtk_scan_fwd(const typename rtk_io<DT>::T* __restrict__ q,
       const int e = tid + u * NT;
       const int tt = e / KMAX, kk = e - tt * KMAX;
       const rtk_i64 n = (rtk_i64)n0 + tt;
-      const bool ok = e < QK_ELEMS && n < N && kk < Dk;
-      pq[u] = ok ? io::load(qb + n * q_sn + kk) : 0.f;
-      pk[u] = ok ? io::load(kb + n * k_sn + kk) : 0.f;
+      const bool ok = e < QK_ELEMS && n < N && r0 + kk < Dk;
+      pq[u] = ok ? io::load(qb + n * q_sn + r0 + kk) : 0.f;
+      pk[u] = ok ? io::load(kb + n * k_sn + r0 + kk) : 0.f;
     }
     #pragma unroll
     for (int u = 0; u < V_PER_THREAD; ++u) {
@@ -137,7 +144,11 @@ rtk_scan_fwd(const typename rtk_io<DT>::T* __restrict__ q,
         float acc = 0.f;
         #pragma unroll
         for (int gg = 0; gg < G; ++gg) acc += spart[gg][tt][cc];
-        io::store(ob + n * o_sn + v0 + cc, acc * scale);
+        if (partial == nullptr) {
+          io::store(ob + n * o_sn + v0 + cc, acc * scale);
+        } else {
+          partial[(((rtk_i64)blockIdx.z * gridDim.x + bh) * N + n) * Dv + v0 + cc] = acc;
+        }
       }
     }
     // No third barrier: the next stage() writes sq/sk/sv, which every thread stopped reading
@@ -147,7 +158,7 @@ rtk_scan_fwd(const typename rtk_io<DT>::T* __restrict__ q,
   if (final_state != nullptr && col < Dv) {
     #pragma unroll
     for (int r = 0; r < KPT; ++r) {
-      const int kr = g * KPT + r;
+      const int kr = r0 + g * KPT + r;
       if (kr < Dk) final_state[((rtk_i64)bh * Dk + kr) * Dv + col] = S[r];
     }
   }

@@ -171,7 +171,8 @@ def run(args: argparse.Namespace) -> int:
     from .cli import cupy_version, nvrtc_version_text
 
     if args.device == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                  else torch.device("cpu"))
     elif args.device == "cuda":
         if not torch.cuda.is_available():
             print("rtkernels demo: --device cuda, but torch sees no CUDA GPU "
@@ -231,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  reference     method='vanilla' in float64 on the CPU from the same {dtype_name} inputs "
           f"({(time.perf_counter() - t0):.1f} s)")
     print(f"  tolerance     relative Frobenius error ||o - ref|| / ||ref|| <= {tol:g} ({dtype_name})")
-    print(f"  timing        first call alone, then the median of {args.repeats} calls"
+    print(f"  timing        first call alone, then the median of {args.repeats} "
+          f"call{'s' if args.repeats > 1 else ''}"
           + (" (torch.cuda.Event, synchronized)" if kind == "cuda" else " (wall clock)"))
     print()
 
@@ -262,7 +264,8 @@ def run(args: argparse.Namespace) -> int:
             except Exception as exc:  # report and go on with the other methods
                 failures += 1
                 rows.append((label, "-", "-", "-", "-", "FAIL"))
-                notes.append(f"{label}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+                first_line = (str(exc).strip().splitlines() or [""])[0]
+                notes.append(f"{label}: raised {type(exc).__name__}: {first_line}")
                 continue
             ok = math.isfinite(err) and err <= tol
             failures += not ok

@@ -43,8 +43,9 @@ METHODS: dict[str, Method] = {
     "recursion": Method("recursion", "O(N log N Dk Dv) work, O(N D + N Dk Dv / 32) memory",
                         recursion.torch_forward),
     "block": Method("block", "O(N C (Dk+Dv) + N Dk Dv) work, O(N D + C^2 + Dk Dv) memory",
-                    block.torch_forward),
-    "fleet": Method("fleet", "O(N Dk Dv) work, O(N D + C Dk Dv) memory", fleet.torch_forward),
+                    block.torch_forward, block.kernel_forward, block.kernel_supports),
+    "fleet": Method("fleet", "O(N Dk Dv) work, O(N D + C Dk Dv) memory", fleet.torch_forward,
+                    fleet.kernel_forward, fleet.kernel_supports),
     "scan": Method("scan", "O(N Dk Dv) work in N sequential steps, O(N D + Dk Dv) memory",
                    scan.torch_forward, scan.kernel_forward, scan.kernel_supports),
     "chunk": Method("chunk", "O(N C (Dk+Dv) + N Dk Dv) work, O(N D + N Dk Dv / C) memory",
@@ -84,7 +85,7 @@ def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
 
 
 #: Modules with CUDA kernels; each has SOURCE, all_configs() and name_expression(config).
-KERNEL_MODULES = (scan,)
+KERNEL_MODULES = (scan, fleet, block)
 
 
 def kernel_instances() -> dict[str, list[str]]:

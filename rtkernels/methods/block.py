@@ -6,6 +6,10 @@ For blocks of C tokens, in order, with S the Dk x Dv state after the previous bl
     S     <- gamma^C S + sum_s gamma^(C-1-s) k_s^T v_s
 
 Work O(N C (Dk + Dv) + N Dk Dv), memory O(N (Dk + Dv) + C^2 + Dk Dv) per (batch, head).
+
+On a CUDA device (fp32/fp16/bf16, Dk and Dv <= 256) it runs ``block.cu``: one CTA per (batch,
+head, tile of value columns), blocks of C = 32 tokens, fp32 FMAs on CUDA cores (the tensor-core
+form of the same algorithm is the chunk method).
 """
 
 from __future__ import annotations
@@ -14,7 +18,15 @@ from typing import Optional
 
 import torch
 
+import numpy as np
+
+from ..runtime import dtype_code, get_function, launch
 from ._torch_common import inter_chunk, intra_chunk, state_update, zero_state
+from .scan import MAX_DIM, kernel_supports  # noqa: F401  (same limits as the scan kernel)
+
+SOURCE = "block.cu"
+_KMAX = (32, 64, 128, 256)
+_C = 32
 
 #: Tokens per block of the torch path.
 BLOCK = 64
@@ -29,3 +41,46 @@ def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: 
         outs.append(intra_chunk(qc, kc, vc, log_decay) + inter_chunk(qc, state, log_decay))
         state = state_update(state, kc, vc, log_decay)
     return torch.cat(outs, dim=-2), (state if need_state else None)
+
+
+def kernel_config(dtype: torch.dtype, dk: int, dv: int) -> tuple[int, int, int, int, int]:
+    """Template arguments (DT, KMAX, BV, C, NT) of ``rtk_block_fwd``."""
+    kmax = next(c for c in _KMAX if c >= dk)
+    bv = 32 if dv <= 32 else 64
+    return dtype_code(dtype), kmax, bv, _C, 256
+
+
+def all_configs() -> list[tuple[int, int, int, int, int]]:
+    return sorted({kernel_config(dt, km, dv) for dt in (torch.float32, torch.float16, torch.bfloat16)
+                   for km in _KMAX for dv in (32, 64)})
+
+
+def name_expression(config: tuple[int, ...]) -> str:
+    return "rtk_block_fwd<" + ", ".join(str(c) for c in config) + ">"
+
+
+def smem_bytes(kmax: int, bv: int, c: int) -> int:
+    """Dynamic shared memory of ``rtk_block_fwd`` (mirrors rtk_block_smem in block.cu)."""
+    return 4 * (2 * c * (kmax + 1) + c * bv + c * (c + 1) + kmax * bv + c)
+
+
+def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+                   scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
+                   need_state: bool) -> Optional[torch.Tensor]:
+    b, h, n, dk = q.shape
+    dv = v.shape[-1]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    config = kernel_config(q.dtype, dk, dv)
+    _, kmax, bv, c, nt = config
+    smem = smem_bytes(kmax, bv, c)
+    dev = q.device.index
+    fn = get_function(SOURCE, name_expression(config), dev, dynamic_smem=smem)
+    lg = log_decay.to(torch.float32).contiguous()
+    s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    final = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if need_state else None
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lg.data_ptr(),
+            0 if s0 is None else s0.data_ptr(), 0 if final is None else final.data_ptr(),
+            np.int32(h), np.int32(n), np.int32(dk), np.int32(dv), np.float32(scale),
+            *(np.int64(s) for x in (q, k, v, out) for s in x.stride()[:3]))
+    launch(fn, (b * h, -(-dv // bv), 1), (nt, 1, 1), args, dev, shared_mem=smem)
+    return final

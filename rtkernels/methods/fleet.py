@@ -9,6 +9,12 @@ discounted prefix sum of the value rows
 The ranks and value columns are independent; the sum over r is a fixed-order reduction.
 Work O(N Dk Dv), memory O(N (Dk + Dv) + C Dk Dv) per (batch, head). The torch path runs the
 prefix sums C tokens at a time as a product with the C x C decay matrix L_gamma.
+
+On a CUDA device (fp32/fp16/bf16, Dk and Dv <= 256) the ranks run in tiles of ``RANK_TILE`` on
+separate CTAs (the state-scan kernel of ``scan.cu``, each CTA scanning its ranks' prefix sums for a
+tile of value columns), and ``fleet.cu`` adds the tiles' partial outputs in a fixed order: no
+atomics, the same bits on every run. The workspace is fp32 ``[Dk / RANK_TILE, B, H, N, Dv]``.
+With Dk <= RANK_TILE there is one tile and the kernel is the scan kernel.
 """
 
 from __future__ import annotations
@@ -17,7 +23,15 @@ from typing import Optional
 
 import torch
 
+import numpy as np
+
+from ..runtime import dtype_code, get_function, launch
+from . import scan
 from ._torch_common import causal_apply, causal_decay_matrix, decay_powers, zero_state
+
+SOURCE = "fleet.cu"
+#: State rows (ranks) per CTA of the kernel path.
+RANK_TILE = 64
 
 #: Tokens per step of the torch path (its memory is C * Dk * Dv per (batch, head)).
 BLOCK = 16
@@ -38,3 +52,32 @@ def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: 
         y = y_all[:, :, -1:]
     state = y.reshape(b, h, dk, dv) if need_state else None
     return torch.cat(outs, dim=-2), state
+
+
+kernel_supports = scan.kernel_supports
+
+
+def all_configs() -> list[tuple[int]]:
+    return [(dtype_code(dt),) for dt in (torch.float32, torch.float16, torch.bfloat16)]
+
+
+def name_expression(config: tuple[int, ...]) -> str:
+    return f"rtk_fleet_reduce<{config[0]}>"
+
+
+def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+                   scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
+                   need_state: bool) -> Optional[torch.Tensor]:
+    """Rank tiles on separate CTAs, then the fixed-order reduction over tiles."""
+    partial, final = scan.launch_state_scan(q, k, v, log_decay, scale, out, initial_state, need_state,
+                                            rank_tile=RANK_TILE)
+    if partial is not None:
+        tiles, bh, n, dv = partial.shape
+        dev = q.device.index
+        fn = get_function(SOURCE, name_expression((dtype_code(q.dtype),)), dev)
+        total = bh * n * dv
+        blocks = min(-(-total // 256), 65535)
+        args = (partial.data_ptr(), out.data_ptr(), np.int32(tiles), np.int32(bh), np.int32(q.shape[1]),
+                np.int32(n), np.int32(dv), np.float32(scale), *(np.int64(s) for s in out.stride()[:3]))
+        launch(fn, (blocks, 1, 1), (256, 1, 1), args, dev)
+    return final

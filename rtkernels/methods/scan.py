@@ -37,9 +37,9 @@ def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: 
     return o, (state if need_state else None)
 
 
-def kernel_config(dtype: torch.dtype, dk: int, dv: int) -> tuple[int, int, int, int, int]:
-    """Template arguments (DT, KMAX, BV, T, NT) of ``rtk_scan_fwd`` for a problem."""
-    kmax = next(c for c in _KMAX if c >= dk)
+def kernel_config(dtype: torch.dtype, rows: int) -> tuple[int, int, int, int, int]:
+    """Template arguments (DT, KMAX, BV, T, NT) of ``rtk_scan_fwd`` for ``rows`` state rows per CTA."""
+    kmax = next(c for c in _KMAX if c >= rows)
     t = 8 if kmax == 256 else 16
     nt = 256 if kmax >= 128 else 128
     return dtype_code(dtype), kmax, 32, t, nt
@@ -47,7 +47,7 @@ def kernel_config(dtype: torch.dtype, dk: int, dv: int) -> tuple[int, int, int, 
 
 def all_configs() -> list[tuple[int, int, int, int, int]]:
     """Every template instance :func:`kernel_config` can ask for (the CI compile test uses it)."""
-    return sorted({kernel_config(dt, km, 1) for dt in (torch.float32, torch.float16, torch.bfloat16)
+    return sorted({kernel_config(dt, km) for dt in (torch.float32, torch.float16, torch.bfloat16)
                    for km in _KMAX})
 
 
@@ -60,24 +60,41 @@ def kernel_supports(q: torch.Tensor, v: torch.Tensor) -> bool:
         q.shape[-1] <= MAX_DIM and v.shape[-1] <= MAX_DIM
 
 
-def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
-                   scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
-                   need_state: bool) -> Optional[torch.Tensor]:
-    """Run ``rtk_scan_fwd`` on ``[B, H, N, D]`` views (any strides with unit stride along D)."""
+def launch_state_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+                      scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
+                      need_state: bool, rank_tile: int = MAX_DIM) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Launch ``rtk_scan_fwd`` on ``[B, H, N, D]`` views (any strides, unit stride along D).
+
+    The Dk state rows are split into tiles of at most ``rank_tile`` rows, one CTA each. With one
+    tile the kernel writes ``out``; with several it returns ``(partial, final_state)`` where
+    ``partial`` is the fp32 ``[tiles, B*H, N, Dv]`` workspace of per-tile outputs (unscaled) for
+    the fleet reduction. Returns ``(None, final_state)`` otherwise.
+    """
     b, h, n, dk = q.shape
     dv = v.shape[-1]
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    config = kernel_config(q.dtype, dk, dv)
-    _, _, bv, _, nt = config
+    tiles = -(-dk // rank_tile)
+    config = kernel_config(q.dtype, -(-dk // tiles))
+    _, kmax, bv, _, nt = config
+    tiles = -(-dk // kmax)
     dev = q.device.index
     fn = get_function(SOURCE, name_expression(config), dev)
     lg = log_decay.to(torch.float32).contiguous()
     s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     final = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if need_state else None
+    partial = torch.empty(tiles, b * h, n, dv, dtype=torch.float32, device=q.device) if tiles > 1 else None
     i64 = np.int64
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lg.data_ptr(),
             0 if s0 is None else s0.data_ptr(), 0 if final is None else final.data_ptr(),
+            0 if partial is None else partial.data_ptr(),
             np.int32(h), np.int32(n), np.int32(dk), np.int32(dv), np.float32(scale),
             *(i64(s) for x in (q, k, v, out) for s in x.stride()[:3]))
-    launch(fn, (b * h, -(-dv // bv), 1), (nt, 1, 1), args, dev)
-    return final
+    launch(fn, (b * h, -(-dv // bv), tiles), (nt, 1, 1), args, dev)
+    return partial, final
+
+
+def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+                   scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
+                   need_state: bool) -> Optional[torch.Tensor]:
+    """All Dk state rows in one CTA per (batch, head, value tile): the sequential scan."""
+    return launch_state_scan(q, k, v, log_decay, scale, out, initial_state, need_state)[1]

@@ -41,11 +41,13 @@ def kernels_available(device: torch.device) -> bool:
 
 
 def get_function(source: str, name_expression: str, device_index: int,
-                 extra_options: tuple[str, ...] = ()) -> Any:
+                 extra_options: tuple[str, ...] = (), dynamic_smem: int = 0) -> Any:
     """The compiled kernel ``name_expression`` of ``cuda_src/<source>`` on device ``device_index``.
 
     Compiles on first use (CuPy keeps the binary in its disk cache) and memoises the function.
-    Raises :class:`KernelCompileError` with NVRTC's log when the source does not compile.
+    ``dynamic_smem``: bytes of dynamic shared memory the kernel will be launched with; above the
+    default 48 KiB the function's limit is raised once here. Raises :class:`KernelCompileError`
+    with NVRTC's log when the source does not compile.
     """
     key = (device_index, source, name_expression, extra_options)
     fn = _functions.get(key)
@@ -66,6 +68,8 @@ def get_function(source: str, name_expression: str, device_index: int,
                     fn = module.get_function(name_expression)
                 except cupy.cuda.compiler.CompileException as exc:
                     raise KernelCompileError(source, [name_expression], str(exc)) from None
+                if dynamic_smem > 48 * 1024:
+                    fn.max_dynamic_shared_size_bytes = dynamic_smem
             _functions[key] = fn
     return fn
 
