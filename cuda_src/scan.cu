@@ -121,8 +121,9 @@ rtk_scan_fwd(const typename rtk_io<DT>::T* __restrict__ q,
     __syncthreads();
     if (n0 + T < N) fetch(n0 + T);  // in flight while this group is computed
 
+    const int tn = min(T, N - n0);  // tokens of this group (the last one may be short)
     #pragma unroll 4
-    for (int tt = 0; tt < T; ++tt) {
+    for (int tt = 0; tt < tn; ++tt) {
       const float vv = sv[tt][c];
       float part = 0.f;
       #pragma unroll

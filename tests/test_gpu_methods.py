@@ -1,4 +1,6 @@
-"""The scan CUDA kernel against the fp64 reference (marker ``gpu``; skipped without a GPU)."""
+"""Every method on the GPU against the fp64 reference, the CUDA kernels in detail (marker ``gpu``)."""
+
+import functools
 
 import pytest
 import torch
@@ -36,29 +38,62 @@ def _heads(gamma, h):
     return t
 
 
+KERNEL_METHODS = ("scan", "fleet", "block")
+#: The matrix of the LeetDecoding-parity issue: every method x dtype x layout x these shapes x gamma.
+PARITY_SHAPES = [(2, 2, 1, 16, 16), (2, 2, 257, 64, 32), (2, 2, 1000, 96, 160), (2, 2, 4096, 128, 128)]
+PARITY_GAMMAS = (1e-6, 0.5, 0.99, 1.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _parity_case(shape, dtype, gamma):
+    b, h, n, dk, dv = shape
+    q, k, v = _inputs(b, h, n, dk, dv, dtype, "bhnd", seed=11)
+    decay = _heads(gamma, h)
+    return q, k, v, decay, reference(q, k, v, decay)[0]
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", sorted(METHODS))
+@pytest.mark.parametrize("shape", PARITY_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_every_method_matches_fp64(shape, method, dtype, layout):
+    n = shape[2]
+    for gamma in PARITY_GAMMAS:
+        q, k, v, decay, ref = _parity_case(shape, dtype, gamma)
+        if method in KERNEL_METHODS:
+            assert METHODS[method].uses_kernel(q, v), "the kernel must run, not a fallback"
+        if layout == "bnhd":
+            q, k, v, ref = (x.transpose(1, 2).contiguous() for x in (q, k, v, ref))
+        out = rtkernels.causal_linear_attention(q, k, v, decay.cuda(), method=method, layout=layout)
+        assert out.dtype == dtype and out.is_contiguous() and out.shape == v.shape
+        assert_close(out, ref, dtype, f"{method} {shape} {dtype} {layout} gamma={gamma}", n=n)
+
+
+@pytest.mark.parametrize("method", KERNEL_METHODS)
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_scan_kernel_matches_fp64(shape, dtype, layout):
+def test_kernels_match_fp64_on_odd_shapes(shape, dtype, layout, method):
     b, h, n, dk, dv = shape
     q, k, v = _inputs(b, h, n, dk, dv, dtype, layout)
     qv, vv = (q, v) if layout == "bhnd" else (q.transpose(1, 2), v.transpose(1, 2))
-    assert METHODS["scan"].uses_kernel(qv, vv), "the kernel must run, not a fallback"
+    assert METHODS[method].uses_kernel(qv, vv), "the kernel must run, not a fallback"
     for gamma in GAMMAS:
         decay = _heads(gamma, h)
-        out = rtkernels.causal_linear_attention(q, k, v, decay.float().cuda(), method="scan", layout=layout)
+        out = rtkernels.causal_linear_attention(q, k, v, decay.float().cuda(), method=method, layout=layout)
         assert out.dtype == dtype and out.is_contiguous() and out.shape == v.shape
         ref, _ = reference(q, k, v, decay, layout=layout)
-        assert_close(out, ref, dtype, f"scan {shape} {dtype} {layout} gamma={gamma}", n=n)
+        assert_close(out, ref, dtype, f"{method} {shape} {dtype} {layout} gamma={gamma}", n=n)
 
 
+@pytest.mark.parametrize("method", KERNEL_METHODS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_scan_kernel_rate_scale_and_state(dtype):
+def test_kernel_rate_scale_and_state(dtype, method):
     b, h, n, dk, dv = 2, 3, 777, 48, 80
     q, k, v = _inputs(b, h, n, dk, dv, dtype, "bhnd", seed=1)
     rate = torch.tensor([0.0, 0.01, 2.0])
     s0 = torch.randn(b, h, dk, dv, device="cuda")
-    out, state = rtkernels.causal_linear_attention(q, k, v, decay_rate=rate, scale=0.37, method="scan",
+    out, state = rtkernels.causal_linear_attention(q, k, v, decay_rate=rate, scale=0.37, method=method,
                                                    initial_state=s0, return_state=True)
     assert state.dtype == torch.float32 and state.shape == (b, h, dk, dv)
     ref, ref_state = reference(q, k, v, torch.exp(-rate.double()), scale=0.37, initial_state=s0)
@@ -66,28 +101,30 @@ def test_scan_kernel_rate_scale_and_state(dtype):
     assert_close(state, ref_state, torch.float32, "state")
     # in two pieces with the state handed over
     o1, s1 = rtkernels.causal_linear_attention(q[:, :, :300], k[:, :, :300], v[:, :, :300], decay_rate=rate,
-                                               scale=0.37, method="scan", initial_state=s0, return_state=True)
+                                               scale=0.37, method=method, initial_state=s0, return_state=True)
     o2, s2 = rtkernels.causal_linear_attention(q[:, :, 300:], k[:, :, 300:], v[:, :, 300:], decay_rate=rate,
-                                               scale=0.37, method="scan", initial_state=s1, return_state=True)
+                                               scale=0.37, method=method, initial_state=s1, return_state=True)
     assert_close(torch.cat([o1, o2], 2), ref, dtype, "two pieces")
     assert_close(s2, ref_state, torch.float32, "two-piece state")
 
 
-def test_scan_kernel_is_deterministic_and_agrees_with_torch_path():
+@pytest.mark.parametrize("method", KERNEL_METHODS)
+def test_kernel_is_deterministic_and_agrees_with_torch_path(method):
     q, k, v = _inputs(2, 4, 2000, 128, 128, torch.bfloat16, "bnhd", seed=2)
-    runs = [rtkernels.causal_linear_attention(q, k, v, 0.99, method="scan", layout="bnhd") for _ in range(3)]
+    runs = [rtkernels.causal_linear_attention(q, k, v, 0.99, method=method, layout="bnhd") for _ in range(3)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
     torch_path = rtkernels.causal_linear_attention(q.cpu(), k.cpu(), v.cpu(), 0.99, method="chunk", layout="bnhd")
     assert_close(runs[0], torch_path.double(), torch.bfloat16, "kernel vs torch path")
 
 
+@pytest.mark.parametrize("method", KERNEL_METHODS)
 @pytest.mark.parametrize("where", ["q", "k", "v"])
-def test_scan_kernel_nan_reaches_only_its_rows(where):
+def test_kernel_nan_reaches_only_its_rows(where, method):
     b, h, n, d = 2, 2, 150, 64
     q, k, v = _inputs(b, h, n, d, d, torch.float32, "bhnd", seed=3)
     t = {"q": q, "k": k, "v": v}[where]
     t[1, 0, 70, 5] = float("nan")
-    out = rtkernels.causal_linear_attention(q, k, v, 1e-6, method="scan").cpu()
+    out = rtkernels.causal_linear_attention(q, k, v, 1e-6, method=method).cpu()
     nan = torch.isnan(out)
     expected = torch.zeros_like(nan)
     if where == "q":
@@ -100,26 +137,28 @@ def test_scan_kernel_nan_reaches_only_its_rows(where):
     assert torch.isfinite(out[~expected]).all()
 
 
-def test_scan_kernel_long_sequence_stays_finite():
-    q, k, v = _inputs(1, 2, 65536, 64, 64, torch.bfloat16, "bhnd", seed=4)
+@pytest.mark.parametrize("method", KERNEL_METHODS)
+def test_kernel_long_sequence_stays_finite(method):
+    q, k, v = _inputs(1, 2, 65536, 128, 64, torch.bfloat16, "bhnd", seed=4)
     for gamma in (1.0, 1e-6):
-        out = rtkernels.causal_linear_attention(q, k, v, gamma, method="scan")
+        out = rtkernels.causal_linear_attention(q, k, v, gamma, method=method)
         assert torch.isfinite(out).all()
 
 
-def test_scan_kernel_strided_inputs_and_nondefault_stream():
+@pytest.mark.parametrize("method", KERNEL_METHODS)
+def test_kernel_strided_inputs_and_nondefault_stream(method):
     base = torch.randn(2, 3, 500, 2 * 64, device="cuda")
     q, k = base[..., :64], base[..., 64:]  # stride(-2) = 128: non-contiguous views, unit last stride
     v = torch.randn(2, 500, 3, 48, device="cuda").transpose(1, 2)  # a bnhd tensor seen as bhnd
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        out = rtkernels.causal_linear_attention(q, k, v, 0.9, method="scan")
+        out = rtkernels.causal_linear_attention(q, k, v, 0.9, method=method)
     stream.synchronize()
     ref, _ = reference(q, k, v, torch.full((3,), 0.9, dtype=torch.float64))
     assert_close(out, ref, torch.float32, "strided")
 
 
-def test_scan_kernel_cupy_in_cupy_out():
+def test_kernel_cupy_in_cupy_out():
     cupy = pytest.importorskip("cupy")
     q, k, v = _inputs(1, 2, 100, 32, 16, torch.float32, "bhnd", seed=5)
     out = rtkernels.causal_linear_attention(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), 0.7, method="scan")
@@ -129,9 +168,10 @@ def test_scan_kernel_cupy_in_cupy_out():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_scan_kernel_on_second_device():
-    q, k, v = _inputs(1, 2, 300, 64, 64, torch.float16, "bhnd", device="cuda:1", seed=6)
-    out = rtkernels.causal_linear_attention(q, k, v, 0.9, method="scan")
+@pytest.mark.parametrize("method", KERNEL_METHODS)
+def test_kernel_on_second_device(method):
+    q, k, v = _inputs(1, 2, 300, 160, 64, torch.float16, "bhnd", device="cuda:1", seed=6)
+    out = rtkernels.causal_linear_attention(q, k, v, 0.9, method=method)
     assert out.device == torch.device("cuda:1")
     ref, _ = reference(q, k, v, torch.full((2,), 0.9, dtype=torch.float64))
     assert_close(out, ref, torch.float16, "cuda:1")

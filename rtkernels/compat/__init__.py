@@ -1,0 +1,1 @@
+"""Drop-in call shapes of other libraries, computed by rtkernels."""
