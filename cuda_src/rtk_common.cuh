@@ -58,3 +58,72 @@ struct rtk_strides {
 __device__ __forceinline__ rtk_i64 rtk_offset(const rtk_strides& s, int b, int h, rtk_i64 n) {
   return (rtk_i64)b * s.b + (rtk_i64)h * s.h + n * s.n;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core and async-copy building blocks (inline PTX, sm_80+).
+
+typedef unsigned int rtk_u32;
+
+__device__ __forceinline__ rtk_u32 rtk_smem_addr(const void* p) {
+  rtk_u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+// 16-byte global -> shared copy; bytes beyond src_bytes (0..16) are filled with zeros.
+__device__ __forceinline__ void rtk_cp_async16(rtk_u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void rtk_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void rtk_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+
+// Four 8x8 b16 matrices; lane i gives the address of row (i % 8) of matrix (i / 8).
+__device__ __forceinline__ void rtk_ldsm_x4(rtk_u32 (&r)[4], rtk_u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void rtk_ldsm_x4_trans(rtk_u32 (&r)[4], rtk_u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// D += A (16x16, row) * B (16x8, col), fp32 accumulators; DT selects f16 or bf16 operands.
+template <int DT> __device__ __forceinline__ void rtk_mma16816(float (&d)[4], const rtk_u32 (&a)[4],
+                                                               rtk_u32 b0, rtk_u32 b1);
+template <> __device__ __forceinline__ void rtk_mma16816<RTK_BF16>(float (&d)[4], const rtk_u32 (&a)[4],
+                                                                    rtk_u32 b0, rtk_u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void rtk_mma16816<RTK_F16>(float (&d)[4], const rtk_u32 (&a)[4],
+                                                                   rtk_u32 b0, rtk_u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two fp32 -> one register of two 16-bit values (lo in the low half), round to nearest even.
+template <int DT> __device__ __forceinline__ rtk_u32 rtk_pack2(float lo, float hi);
+template <> __device__ __forceinline__ rtk_u32 rtk_pack2<RTK_BF16>(float lo, float hi) {
+  rtk_u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <> __device__ __forceinline__ rtk_u32 rtk_pack2<RTK_F16>(float lo, float hi) {
+  rtk_u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// The inverse of rtk_pack2.
+template <int DT> __device__ __forceinline__ void rtk_unpack2(rtk_u32 r, float& lo, float& hi) {
+  rtk_u16 l = (rtk_u16)(r & 0xFFFFu), h = (rtk_u16)(r >> 16);
+  lo = rtk_io<DT>::load(&l);
+  hi = rtk_io<DT>::load(&h);
+}
+// Mask of the exponent bits of a 16-bit type (all ones: Inf or NaN).
+template <int DT> struct rtk_expmask;
+template <> struct rtk_expmask<RTK_BF16> { static constexpr rtk_u32 v = 0x7F80u; };
+template <> struct rtk_expmask<RTK_F16> { static constexpr rtk_u32 v = 0x7C00u; };

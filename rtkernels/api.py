@@ -8,7 +8,9 @@ from typing import Any, Optional, Union
 
 import torch
 
+from .decay import LogDecay
 from .methods import METHODS, auto_method, run_method
+from .runtime.dtypes import compute_dtype
 
 __all__ = ["causal_linear_attention", "LAYOUTS", "METHOD_NAMES", "DTYPES"]
 
@@ -45,7 +47,10 @@ def _fmt_dtype(dtype: torch.dtype) -> str:
 
 
 def _check_inputs(q: Any, k: Any, v: Any, layout: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
-    if not isinstance(layout, str) or layout not in LAYOUTS:
+    if not isinstance(layout, str):
+        raise TypeError(f"layout must be a string, one of {', '.join(repr(x) for x in LAYOUTS)}; "
+                        f"got {type(layout).__name__}")
+    if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(repr(x) for x in LAYOUTS)}, got {layout!r}")
     converted = [_to_torch(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"))]
     kinds = {kind for _, kind in converted}
@@ -82,19 +87,21 @@ def _check_inputs(q: Any, k: Any, v: Any, layout: Any) -> tuple[torch.Tensor, to
     return qt, kt, vt, next(iter(kinds))
 
 
-def _check_factor_or_rate(value: Any, name: str, h: int, device: torch.device) -> torch.Tensor:
-    """Per-head log-decay (float64, [H], on ``device``) from a decay factor or a decay rate."""
+def _check_factor_or_rate(value: Any, name: str, h: int, device: torch.device) -> LogDecay:
+    """Per-head log-decay from a decay factor or a decay rate, checked."""
     is_rate = name == "decay_rate"
     expect = "a rate r >= 0" if is_rate else "a factor gamma in (0, 1]"
+
+    def ok(x: float) -> bool:  # NaN fails both
+        return (0 <= x < math.inf) if is_rate else (0 < x <= 1)
+
     if isinstance(value, bool):
         raise TypeError(f"{name} must be a float or a tensor of shape [H] = [{h}], got bool")
     if _is_number(value):
         x = float(value)
-        ok = math.isfinite(x) and (x >= 0 if is_rate else 0 < x <= 1)
-        if not ok:
+        if not ok(x):
             raise ValueError(f"{name} must be {expect}, got {x}")
-        lg = -x if is_rate else math.log(x)
-        return torch.full((h,), lg, dtype=torch.float64, device=device)
+        return LogDecay.from_rate_or_factor(x, is_rate, h, device)
     if isinstance(value, torch.Tensor) or hasattr(value, "__cuda_array_interface__"):
         t, _ = _to_torch(value, name)
     else:
@@ -105,23 +112,28 @@ def _check_factor_or_rate(value: Any, name: str, h: int, device: torch.device) -
         raise ValueError(f"{name} must be a float or a tensor of shape [H] = [{h}], got shape {tuple(t.shape)}")
     if t.device != device and t.device.type != "cpu":
         raise ValueError(f"{name} must be on the device of q ({device}) or on the CPU, got {t.device}")
-    t = t.detach().to(torch.float64)
-    good = (t >= 0) & (t < math.inf) if is_rate else (t > 0) & (t <= 1)  # NaN fails both
-    if not bool(good.all()):  # one host sync for a CUDA tensor; none for a CPU tensor
-        bad = t[~good][0].item()
-        raise ValueError(f"{name} must hold {expect} per head, got {bad}")
-    lg = -t if is_rate else torch.log(t)
-    return lg.to(device)
+    t = t.detach()
+    if t.device.type == "cpu":  # checked on the host; nothing reaches the device but a cached tensor
+        values = t.tolist()
+        for x in values:
+            if not ok(x):
+                raise ValueError(f"{name} must hold {expect} per head, got {x}")
+        return LogDecay.from_host([-x if is_rate else math.log(x) for x in values], device)
+    t = t.to(torch.float64)
+    good = (t >= 0) & (t < math.inf) if is_rate else (t > 0) & (t <= 1)
+    if not bool(good.all()):  # the one host sync of a CUDA decay tensor
+        raise ValueError(f"{name} must hold {expect} per head, got {t[~good][0].item()}")
+    return LogDecay(device, device_values=-t if is_rate else torch.log(t))
 
 
-def _log_decay(decay: Any, decay_rate: Any, h: int, device: torch.device) -> torch.Tensor:
+def _log_decay(decay: Any, decay_rate: Any, h: int, device: torch.device) -> LogDecay:
     if decay is not None and decay_rate is not None:
         raise ValueError("pass decay (factors gamma) or decay_rate (rates r, gamma = exp(-r)), not both")
     if decay is not None:
         return _check_factor_or_rate(decay, "decay", h, device)
     if decay_rate is not None:
         return _check_factor_or_rate(decay_rate, "decay_rate", h, device)
-    return torch.zeros(h, dtype=torch.float64, device=device)
+    return LogDecay(device, host=(0.0,) * h)
 
 
 def _check_state(initial_state: Any, q: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
@@ -201,9 +213,9 @@ def causal_linear_attention(
     if out.numel() == 0:
         state = None
         if return_state:
-            state = (s0.clone() if s0 is not None else
-                     torch.zeros(b, h, qt.shape[3], dv, dtype=torch.float64 if qt.dtype == torch.float64
-                                 else torch.float32, device=qt.device))
+            sdt = compute_dtype(qt.dtype)
+            state = (s0.to(sdt, copy=True) if s0 is not None else
+                     torch.zeros(b, h, qt.shape[3], dv, dtype=sdt, device=qt.device))
     else:
         name = auto_method(qt, vt) if method == "auto" else method
         state = run_method(name, qt, kt, vt, log_decay, scale, out_view, s0, return_state)

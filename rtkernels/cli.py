@@ -2,6 +2,7 @@
 
     rtkernels info     what rtkernels sees: GPUs, torch/CUDA, CuPy, NVRTC, kernel sources, caches
     rtkernels demo     every method on one problem, checked against an fp64 reference, timed
+    rtkernels bench    the side-by-side benchmark vs the peers (bench/ of the source checkout)
 
 Each subcommand is one entry of ``_COMMANDS``: a help line, a function that adds its options to
 its parser, and a function that runs it and returns the exit status. Later subcommands
@@ -17,6 +18,7 @@ import os
 import platform
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Callable, NamedTuple, Optional, Sequence
 
 __all__ = ["main", "build_parser", "cupy_version", "nvrtc_version_text", "cupy_cache_dir"]
@@ -165,6 +167,47 @@ def _run_demo(args: argparse.Namespace) -> int:
     return demo_main(args.rest)
 
 
+# ---------------------------------------------------------------------------------- bench --- #
+
+
+_BENCH_MISSING = ("bench/ lives in the source checkout of rtkernels, not in the installed package: run "
+                  "python -m bench.run from the checkout's root (or rtkernels bench from an editable install).")
+
+
+def _bench_module() -> Optional[ModuleType]:
+    """``bench.run`` of the source checkout (``bench/`` beside the ``rtkernels`` package directory,
+    with ``pyproject.toml``), imported with the checkout's root on ``sys.path``; None elsewhere."""
+    root = Path(__file__).resolve().parent.parent
+    if not ((root / "bench" / "run.py").is_file() and (root / "pyproject.toml").is_file()):
+        return None
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import importlib
+
+    return importlib.import_module("bench.run")
+
+
+def _add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    try:  # a broken bench/ must not break the other subcommands; _run_bench shows the error
+        module = _bench_module()
+    except Exception:
+        module = None
+    if module is not None:
+        module.add_arguments(parser)
+    else:  # take any options, so that _run_bench can say where bench/ lives
+        parser.description = f"{parser.description} {_BENCH_MISSING}"
+        parser.parse_known_args = lambda args=None, namespace=None: (  # type: ignore[method-assign,assignment]
+            namespace or argparse.Namespace(), [])
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    module = _bench_module()
+    if module is None:
+        print(f"{PROG} bench: {_BENCH_MISSING}", file=sys.stderr)
+        return 2
+    return module.main(args.rest)
+
+
 # ------------------------------------------------------------------------------- registry --- #
 
 
@@ -175,7 +218,7 @@ class _Command(NamedTuple):
     run: Callable[[argparse.Namespace], int]
 
 
-#: Subcommands in the order ``--help`` lists them. autotune, check and bench go here later.
+#: Subcommands in the order ``--help`` lists them. autotune and check go here later.
 _COMMANDS: dict[str, _Command] = {
     "info": _Command(
         "show GPUs, torch/CUDA, CuPy, NVRTC, the CUDA sources and the kernel cache",
@@ -189,6 +232,12 @@ _COMMANDS: dict[str, _Command] = {
         "Run every rtkernels method (and method='auto') on one random problem, check each against "
         "an fp64 reference and time it. Exit status 0 when all are within tolerance, 1 otherwise.",
         _add_demo_arguments, _run_demo),
+    "bench": _Command(
+        "benchmark every method against the peers (fla, LeetDecoding, torch); source checkout only",
+        "Run the side-by-side benchmark of BENCHMARK.md (bench/run.py of the source checkout): every "
+        "rtkernels method and the peers that import, on the standard shapes; writes JSON, a Markdown "
+        "table and a PNG plot. Same as python -m bench.run from the checkout's root.",
+        _add_bench_arguments, _run_bench),
 }
 
 

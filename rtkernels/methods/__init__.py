@@ -13,6 +13,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..decay import LogDecay
+
 from ..runtime import kernels_available
 from . import block, chunk, fleet, recursion, scan, vanilla
 from ._torch_common import TorchForward, run_torch_path
@@ -49,7 +51,7 @@ METHODS: dict[str, Method] = {
     "scan": Method("scan", "O(N Dk Dv) work in N sequential steps, O(N D + Dk Dv) memory",
                    scan.torch_forward, scan.kernel_forward, scan.kernel_supports),
     "chunk": Method("chunk", "O(N C (Dk+Dv) + N Dk Dv) work, O(N D + N Dk Dv / C) memory",
-                    chunk.torch_forward),
+                    chunk.torch_forward, chunk.kernel_forward, chunk.kernel_supports),
 }
 
 _warned_no_cupy = False
@@ -68,12 +70,15 @@ def _kernels_or_warn(device: torch.device) -> bool:
 
 
 def auto_method(q: torch.Tensor, v: torch.Tensor) -> str:
-    """The method ``method="auto"`` picks until the autotuner exists: the ``scan`` kernel where it
-    runs (CUDA, fp32/fp16/bf16, Dk and Dv <= 256), else the batched torch ``chunk`` path."""
+    """The method ``method="auto"`` picks until the autotuner exists: the tensor-core ``chunk``
+    kernel where it runs (CUDA, fp16/bf16, Dk and Dv <= 256), else the ``scan`` kernel where it
+    runs (fp32), else the batched torch ``chunk`` path."""
+    if METHODS["chunk"].uses_kernel(q, v):
+        return "chunk"
     return "scan" if METHODS["scan"].uses_kernel(q, v) else "chunk"
 
 
-def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                need_state: bool) -> Optional[torch.Tensor]:
     """Compute into ``out`` (a ``[B, H, N, Dv]`` view) with method ``name``; return the final state
@@ -85,7 +90,7 @@ def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
 
 
 #: Modules with CUDA kernels; each has SOURCE, all_configs() and name_expression(config).
-KERNEL_MODULES = (scan, fleet, block)
+KERNEL_MODULES = (scan, fleet, block, chunk)
 
 
 def kernel_instances() -> dict[str, list[str]]:

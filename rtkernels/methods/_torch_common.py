@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..decay import LogDecay
 from ..runtime.dtypes import compute_dtype
 
 __all__ = ["decay_powers", "causal_decay_matrix", "causal_apply", "intra_chunk", "inter_chunk",
@@ -95,13 +96,13 @@ TorchForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
 
 
 def run_torch_path(fn: TorchForward, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   log_decay: torch.Tensor, scale: float, out: torch.Tensor,
+                   log_decay: "LogDecay", scale: float, out: torch.Tensor,
                    initial_state: Optional[torch.Tensor], need_state: bool) -> Optional[torch.Tensor]:
     """Run a torch path in the compute dtype, write ``scale * output`` into ``out`` and return the
     final state (compute dtype) when ``need_state``."""
     cdt = compute_dtype(q.dtype)
     s0 = None if initial_state is None else initial_state.to(cdt)
-    o, state = fn(q.to(cdt), k.to(cdt), v.to(cdt), log_decay.to(cdt), s0, need_state)
+    o, state = fn(q.to(cdt), k.to(cdt), v.to(cdt), log_decay.tensor(cdt), s0, need_state)
     if scale != 1.0:
         o = o * scale
     out.copy_(o)

@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from ..decay import LogDecay
+
 import numpy as np
 
 from ..runtime import dtype_code, get_function, launch
@@ -32,7 +34,7 @@ _C = 32
 BLOCK = 64
 
 
-def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                   initial_state: Optional[torch.Tensor], need_state: bool):
     state = zero_state(q, v, initial_state)
     outs = []
@@ -64,7 +66,7 @@ def smem_bytes(kmax: int, bv: int, c: int) -> int:
     return 4 * (2 * c * (kmax + 1) + c * bv + c * (c + 1) + kmax * bv + c)
 
 
-def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool) -> Optional[torch.Tensor]:
     b, h, n, dk = q.shape
@@ -75,7 +77,7 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     smem = smem_bytes(kmax, bv, c)
     dev = q.device.index
     fn = get_function(SOURCE, name_expression(config), dev, dynamic_smem=smem)
-    lg = log_decay.to(torch.float32).contiguous()
+    lg = log_decay.tensor(torch.float32)
     s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     final = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if need_state else None
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lg.data_ptr(),

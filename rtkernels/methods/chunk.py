@@ -8,6 +8,12 @@ With chunks of C tokens and S_c the state entering chunk c:
 Only non-negative powers of gamma appear, so it is safe for every gamma in (0, 1] and any N.
 The torch path computes every chunk's masked product and own state in batched products, then
 scans the chunk states. Work O(N C (Dk + Dv) + N Dk Dv), memory O(N (Dk + Dv) + N Dk Dv / C).
+
+On a CUDA device, fp16 and bf16 inputs with Dk, Dv <= 256 run ``chunk.cu``: one fused kernel on
+tensor cores (mma.sync m16n8k16, fp32 accumulation, fp32 state in registers), one CTA per
+(batch, head, tile of value columns) walking chunks of 64 tokens, the next chunk loaded with
+cp.async while the current one is computed. Memory beyond inputs and output: none.
+fp32 and fp64 inputs run the torch path (for now).
 """
 
 from __future__ import annotations
@@ -15,15 +21,25 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from ..decay import LogDecay
 import torch.nn.functional as F
 
+import numpy as np
+
+from ..runtime import dtype_code, get_function, launch
 from ._torch_common import block_state, inter_chunk, intra_chunk, state_update, zero_state
+
+SOURCE = "chunk.cu"
+#: Largest Dk and Dv the kernel takes.
+MAX_DIM = 256
+_NW = 4  # warps per CTA; the kernel's chunk is 16 * _NW tokens
 
 #: Tokens per chunk of the torch path.
 CHUNK = 64
 
 
-def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                   initial_state: Optional[torch.Tensor], need_state: bool):
     b, h, n, dk = q.shape
     dv = v.shape[-1]
@@ -47,3 +63,55 @@ def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: 
         last = (nc - 1) * CHUNK
         final = state_update(state, k[:, :, last:], v[:, :, last:], log_decay)
     return o, final
+
+
+def kernel_supports(q: torch.Tensor, v: torch.Tensor) -> bool:
+    return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= MAX_DIM and v.shape[-1] <= MAX_DIM
+
+
+def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool) -> tuple:
+    """Template arguments (DT, KMAX, BV, NW, VEC) of ``rtk_chunk_fwd``."""
+    kmax = 64 if dk <= 64 else 128 if dk <= 128 else 256
+    bv = 32 if kmax == 256 or dv <= 32 else 64
+    return dtype_code(dtype), kmax, bv, _NW, vec
+
+
+def all_configs() -> list[tuple]:
+    return sorted({kernel_config(dt, dk, dv, vec) for dt in (torch.float16, torch.bfloat16)
+                   for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True)})
+
+
+def name_expression(config: tuple) -> str:
+    return "rtk_chunk_fwd<" + ", ".join(str(c).lower() for c in config) + ">"
+
+
+def smem_bytes(kmax: int, bv: int, nw: int) -> int:
+    """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in chunk.cu)."""
+    c = 16 * nw
+    return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + kmax * (bv + 8)) + 16 * nw
+
+
+def _aligned(x: torch.Tensor) -> bool:
+    return x.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in x.stride()[:3])
+
+
+def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
+                   scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
+                   need_state: bool) -> Optional[torch.Tensor]:
+    b, h, n, dk = q.shape
+    dv = v.shape[-1]
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    config = kernel_config(q.dtype, dk, dv, all(_aligned(x) for x in (q, k, v)))
+    _, kmax, bv, nw, _ = config
+    smem = smem_bytes(kmax, bv, nw)
+    dev = q.device.index
+    fn = get_function(SOURCE, name_expression(config), dev, dynamic_smem=smem)
+    lg = log_decay.tensor(torch.float32)
+    s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
+    final = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if need_state else None
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lg.data_ptr(),
+            0 if s0 is None else s0.data_ptr(), 0 if final is None else final.data_ptr(),
+            np.int32(h), np.int32(n), np.int32(dk), np.int32(dv), np.float32(scale),
+            *(np.int64(s) for x in (q, k, v, out) for s in x.stride()[:3]))
+    launch(fn, (b * h, -(-dv // bv), 1), (nw * 32, 1, 1), args, dev, shared_mem=smem)
+    return final

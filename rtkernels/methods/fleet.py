@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch
 
+from ..decay import LogDecay
+
 import numpy as np
 
 from ..runtime import dtype_code, get_function, launch
@@ -37,7 +39,7 @@ RANK_TILE = 64
 BLOCK = 16
 
 
-def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                   initial_state: Optional[torch.Tensor], need_state: bool):
     b, h, n, dk = q.shape
     dv = v.shape[-1]
@@ -65,7 +67,7 @@ def name_expression(config: tuple[int, ...]) -> str:
     return f"rtk_fleet_reduce<{config[0]}>"
 
 
-def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool) -> Optional[torch.Tensor]:
     """Rank tiles on separate CTAs, then the fixed-order reduction over tiles."""

@@ -15,6 +15,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..decay import LogDecay
+
 from ..runtime import dtype_code, get_function, launch
 from ._torch_common import zero_state
 
@@ -24,7 +26,7 @@ MAX_DIM = 256
 _KMAX = (32, 64, 128, 256)
 
 
-def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                   initial_state: Optional[torch.Tensor], need_state: bool):
     """Token by token; gamma * S is formed as S + (gamma - 1) S with gamma - 1 = expm1(log gamma)."""
     b, h, n, _ = q.shape
@@ -60,7 +62,7 @@ def kernel_supports(q: torch.Tensor, v: torch.Tensor) -> bool:
         q.shape[-1] <= MAX_DIM and v.shape[-1] <= MAX_DIM
 
 
-def launch_state_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+def launch_state_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                       scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                       need_state: bool, rank_tile: int = MAX_DIM) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Launch ``rtk_scan_fwd`` on ``[B, H, N, D]`` views (any strides, unit stride along D).
@@ -79,7 +81,7 @@ def launch_state_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_dec
     tiles = -(-dk // kmax)
     dev = q.device.index
     fn = get_function(SOURCE, name_expression(config), dev)
-    lg = log_decay.to(torch.float32).contiguous()
+    lg = log_decay.tensor(torch.float32)
     s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     final = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if need_state else None
     partial = torch.empty(tiles, b * h, n, dv, dtype=torch.float32, device=q.device) if tiles > 1 else None
@@ -93,7 +95,7 @@ def launch_state_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_dec
     return partial, final
 
 
-def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
+def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool) -> Optional[torch.Tensor]:
     """All Dk state rows in one CTA per (batch, head, value tile): the sequential scan."""
