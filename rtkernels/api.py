@@ -6,6 +6,7 @@ import math
 import numbers
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 
 from .decay import LogDecay
@@ -87,6 +88,9 @@ def _check_inputs(q: Any, k: Any, v: Any, layout: Any) -> tuple[torch.Tensor, to
     return qt, kt, vt, next(iter(kinds))
 
 
+_host_logs: dict[tuple[bool, tuple[float, ...]], tuple[float, ...]] = {}  # checked host decays
+
+
 def _check_factor_or_rate(value: Any, name: str, h: int, device: torch.device) -> LogDecay:
     """Per-head log-decay from a decay factor or a decay rate, checked."""
     is_rate = name == "decay_rate"
@@ -114,11 +118,17 @@ def _check_factor_or_rate(value: Any, name: str, h: int, device: torch.device) -
         raise ValueError(f"{name} must be on the device of q ({device}) or on the CPU, got {t.device}")
     t = t.detach()
     if t.device.type == "cpu":  # checked on the host; nothing reaches the device but a cached tensor
-        values = t.tolist()
-        for x in values:
-            if not ok(x):
-                raise ValueError(f"{name} must hold {expect} per head, got {x}")
-        return LogDecay.from_host([-x if is_rate else math.log(x) for x in values], device)
+        values = tuple(t.tolist())
+        logs = _host_logs.get((is_rate, values))
+        if logs is None:
+            for x in values:
+                if not ok(x):
+                    raise ValueError(f"{name} must hold {expect} per head, got {x}")
+            logs = tuple(-x if is_rate else math.log(x) for x in values)
+            if len(_host_logs) > 256:
+                _host_logs.clear()
+            _host_logs[(is_rate, values)] = logs
+        return LogDecay(device, host=logs)
     t = t.to(torch.float64)
     good = (t >= 0) & (t < math.inf) if is_rate else (t > 0) & (t <= 1)
     if not bool(good.all()):  # the one host sync of a CUDA decay tensor
@@ -197,8 +207,10 @@ def causal_linear_attention(
         raise TypeError(f"method must be a string, one of {', '.join(METHOD_NAMES)}; got {type(method).__name__}")
     if method not in METHOD_NAMES:
         raise ValueError(f"method must be one of {', '.join(repr(m) for m in METHOD_NAMES)}, got {method!r}")
-    if not isinstance(return_state, bool):
-        raise TypeError(f"return_state must be a bool, got {type(return_state).__name__}")
+    if not isinstance(return_state, (bool, np.bool_)):
+        raise TypeError(f"return_state must be a bool, got {type(return_state).__module__}."
+                        f"{type(return_state).__qualname__}")
+    return_state = bool(return_state)
     b, h, n, _ = qt.shape
     dv = vt.shape[3]
     log_decay = _log_decay(decay, decay_rate, h, qt.device)

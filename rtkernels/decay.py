@@ -43,7 +43,9 @@ class LogDecay:
                  device_values: Optional[torch.Tensor] = None):
         self.device = device
         # per-head log values known on the host, or None
-        self.host = None if host is None else tuple(max(x, LOG_DECAY_MIN) for x in host)
+        if host is not None and min(host, default=0.0) < LOG_DECAY_MIN:
+            host = tuple(max(x, LOG_DECAY_MIN) for x in host)
+        self.host = host
         # float64 [H] on the device otherwise
         self.device_values = None if device_values is None else device_values.clamp(min=LOG_DECAY_MIN)
 

@@ -221,7 +221,9 @@ def state_tolerance_dtype(dtype: torch.dtype) -> torch.dtype:
     return compute_state_dtype(dtype)
 
 
-def unchanged(before: list[Optional[torch.Tensor]], after: list[Optional[torch.Tensor]]) -> bool:
-    """Whether the tensors hold the same values (NaN equal to NaN) as their copies ``before``."""
-    return all(a is None or torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)) and
-               torch.equal(a.isnan(), b.isnan()) for a, b in zip(before, after))
+def assert_unchanged(copies: list[Optional[torch.Tensor]], tensors: list[Optional[torch.Tensor]],
+                     what: str = "inputs") -> None:
+    """Fail unless ``tensors`` still hold the values of their ``copies`` (taken before a call)."""
+    for c, t in zip(copies, tensors):
+        if t is not None:
+            torch.testing.assert_close(t, c, rtol=0, atol=0, equal_nan=True, msg=f"the call modified its {what}")

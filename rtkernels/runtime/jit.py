@@ -74,18 +74,23 @@ def get_function(source: str, name_expression: str, device_index: int,
     return fn
 
 
+def _raw_stream(device_index: int) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # the handle without building a Stream object
+    def _raw_stream(device_index: int) -> int:  # noqa: F811
+        return torch._C._cuda_getCurrentRawStream(device_index)
+
+
 def cupy_stream(device_index: int) -> Any:
     """A CuPy view of torch's current stream on ``device_index`` (cached per stream handle)."""
-    ts = torch.cuda.current_stream(device_index)
-    key = (device_index, ts.cuda_stream)
+    key = (device_index, _raw_stream(device_index))
     stream = _streams.get(key)
     if stream is None:
         import cupy
 
-        if hasattr(cupy.cuda.Stream, "from_external") and hasattr(ts, "__cuda_stream__"):
-            stream = cupy.cuda.Stream.from_external(ts)  # CuPy >= 14 with torch >= 2.10
-        else:
-            stream = cupy.cuda.ExternalStream(ts.cuda_stream, device_index)
+        stream = cupy.cuda.ExternalStream(key[1], device_index)
         _streams[key] = stream
     return stream
 
@@ -93,8 +98,11 @@ def cupy_stream(device_index: int) -> Any:
 def launch(fn: Any, grid: tuple[int, int, int], block: tuple[int, int, int],
            args: Sequence[Any], device_index: int, shared_mem: int = 0) -> None:
     """Launch ``fn`` on torch's current stream of ``device_index`` (asynchronous)."""
+    stream = cupy_stream(device_index)
+    if torch.cuda.current_device() == device_index:
+        fn(grid, block, args, shared_mem=shared_mem, stream=stream)
+        return
     import cupy
 
-    stream = cupy_stream(device_index)
     with cupy.cuda.Device(device_index):
-        fn(grid, block, tuple(args), shared_mem=shared_mem, stream=stream)
+        fn(grid, block, args, shared_mem=shared_mem, stream=stream)

@@ -1,0 +1,170 @@
+"""The environment, the derived columns (roofline, ratio vs fla), and the outputs: JSON, Markdown, PNG."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from . import timing
+from .peers import dist_version
+
+Row = dict[str, Any]
+ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def _git_commit() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        return subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except Exception as exc:
+        return f"unknown ({type(exc).__name__})"
+
+
+def environment(device: torch.device, quick: bool) -> dict[str, Any]:
+    """Versions, the GPU, and the two limits measured in this run (copy bandwidth, tensor peak)."""
+    import rtkernels
+    from rtkernels import cli
+    from rtkernels.runtime import sources_hash
+
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": f"{torch.__version__} ({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build'})",
+        "driver": cli._driver_version(), "cupy": cli.cupy_version() or "not installed",
+        "nvrtc": cli.nvrtc_version_text(), "triton": dist_version("triton") or "not installed",
+        "rtkernels": f"{rtkernels.__version__}, sources {sources_hash()}, commit {_git_commit()}",
+    }
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "sms": p.multi_processor_count,
+                      "memory_gib": round(p.total_memory / 2 ** 30, 1), "l2_mib": timing.l2_bytes(device) / 2 ** 20}
+        nbytes, n = (256 << 20, 2048) if quick else (2 << 30, 8192)
+    else:
+        env["gpu"] = {"name": "none (CPU run: times from time.perf_counter; limits are the CPU's)"}
+        nbytes, n = 64 << 20, 512
+    env["copy_bw_GBps"] = timing.copy_bandwidth(device, nbytes) / 1e9
+    env["copy_bw_how"] = f"device-to-device copy of {nbytes / 2 ** 20:.0f} MiB, bytes read + written / time"
+    peak, how = timing.tensor_peak(device, n)
+    env["tensor_peak_TFLOPs"], env["tensor_peak_how"] = peak / 1e12, how
+    return env
+
+
+def roofline_pct(row: Row, env: dict[str, Any]) -> Optional[float]:
+    """BENCHMARK.md's limit: % of the roofline time for a forward, % of copy bandwidth for decode."""
+    if not row.get("ms"):
+        return None
+    secs, bw = row["ms"] / 1e3, env["copy_bw_GBps"] * 1e9
+    b, h, n, d = row["B"], row["H"], row["N"], row["D"]
+    if row["pass"] == "decode":
+        return 100 * (2 * b * h * d * d * 4 / secs) / bw
+    bytes_ = 4 * b * h * n * d * ELEMENT_SIZE[row["dtype"]]
+    flop = 4 * b * h * n * d * (64 + d)
+    return 100 * max(bytes_ / bw, flop / (env["tensor_peak_TFLOPs"] * 1e12)) / secs
+
+
+def add_derived(rows: list[Row], env: dict[str, Any]) -> None:
+    """Fill ``roofline_pct`` and ``vs_fla`` (fla's time / this time: > 1 means faster than fla)."""
+    fla = {(r["shape"], r["dtype"], r["pass"]): r["ms"] for r in rows if r["impl"] == "fla" and r.get("ms")}
+    for r in rows:
+        r["roofline_pct"] = roofline_pct(r, env)
+        ref = fla.get((r["shape"], r["dtype"], r["pass"]))
+        r["vs_fla"] = ref / r["ms"] if ref and r.get("ms") else None
+
+
+def label(r: Row) -> str:
+    """``impl/method`` plus the path rtkernels took."""
+    return "/".join(filter(None, (r["impl"], r.get("method")))) + (f" ({r['path']})" if r.get("path") else "")
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def _overhead_text(ho: dict[str, Any]) -> str:
+    parts = [f"{k}: {v['wall_us_per_call']:.1f} wall" + (f", {v['events_us_per_call']:.1f} events"
+                                                         if "events_us_per_call" in v else "")
+             for k, v in ho.items() if isinstance(v, dict)]
+    extra = [f"{k}: {v}" for k, v in ho.items() if not isinstance(v, dict)]
+    return "Host overhead, µs per call of 200 back-to-back calls: " + "; ".join(extra + parts) + "."
+
+
+def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> str:
+    """The table of every measured or failed row; skipped rows and failures listed below it."""
+    gpu = env["gpu"]["name"]
+    out = [f"## rtkernels bench on {gpu}", "",
+           f"copy BW {env['copy_bw_GBps']:.4g} GB/s ({env['copy_bw_how']}); tensor peak "
+           f"{env['tensor_peak_TFLOPs']:.3g} TFLOP/s ({env['tensor_peak_how']}); torch {env['torch']}; "
+           f"CuPy {env['cupy']}; NVRTC {env['nvrtc']}; rtkernels {env['rtkernels']}.", "",
+           "Shapes (B×H×N×D): " + "; ".join(f"{k} {v}" for k, v in shapes.items()) + ".", "",
+           "Peers: " + "; ".join(f"{k} {v.get('version') or v.get('reason')}" + (
+               f" ({v['gpu_name_patch']})" if v.get("gpu_name_patch") else "") for k, v in env["peers"].items())
+           + ".", "", _overhead_text(env.get("host_overhead_us", {})), "",
+           "vs fla: fla's time / this time (> 1: faster than fla). % roofline: BENCHMARK.md's "
+           "max(bytes/copy BW, flop/tensor peak) / time; decode rows: % of copy bandwidth. "
+           "peak MB: the call's inputs + the most it allocates.", "",
+           "| shape | dtype | impl/method | ms | vs fla | % roofline | rel err | peak MB |",
+           "|---|---|---|---:|---:|---:|---:|---:|"]
+    notes: list[str] = []
+    skipped: dict[str, list[str]] = {}
+    for r in rows:
+        if r.get("skipped"):
+            skipped.setdefault(r["skipped"], []).append(f"{r['shape']} {r['dtype']} {label(r)}")
+            continue
+        if r.get("error"):
+            notes.append(f"- ERROR {r['shape']} {r['dtype']} {label(r)}: {r['error']}")
+        ms = _fmt(r.get("ms"), ".3f") if not r.get("error") else "ERROR"
+        out.append(f"| {r['shape']} | {r['dtype']} | {label(r)} | {ms} | {_fmt(r.get('vs_fla'), '.2f')} | "
+                   f"{_fmt(r.get('roofline_pct'), '.1f')} | {_fmt(r.get('rel_err'), '.1e')} | "
+                   f"{_fmt(r.get('peak_mb'), '.0f')} |")
+    refs = sorted({f"{r['shape']}: {r['ref']}" for r in rows if r.get("ref")})
+    notes += [f"- skipped ({reason}): {', '.join(where)}" for reason, where in skipped.items()]
+    return "\n".join(out + [""] + notes + ["", "rel err: Frobenius norm vs an fp64 reference on batch 0 ("
+                                           + "; ".join(refs) + ")."]) + "\n"
+
+
+def plot(rows: list[Row], path: Path) -> str:
+    """Time vs N (log-log), one line per implementation: bf16 forward rows of the D = 128 shapes (not d64)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "plot skipped: matplotlib is not installed"
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        if r["pass"] == "fwd" and r["dtype"] == "bf16" and r["shape"] != "d64" and r.get("ms"):
+            series.setdefault(label(r), []).append((r["N"], r["ms"]))
+    if not series:
+        return "plot skipped: no bf16 forward rows"
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for name, pts in sorted(series.items()):
+        xs, ys = zip(*sorted(pts), strict=True)
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set(xscale="log", yscale="log", xlabel="N (standard shapes; B and H differ per shape)", ylabel="ms",
+           title="bf16 forward, standard shapes except d64")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"plot: {path}"
+
+
+def write(out_dir: Path, env: dict[str, Any], rows: list[Row], shapes: dict[str, str], args: dict[str, Any]) -> str:
+    """Write bench.json, bench.md and bench.png under ``out_dir``; return the Markdown."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    add_derived(rows, env)
+    env["plot"] = plot(rows, out_dir / "bench.png")
+    (out_dir / "bench.json").write_text(json.dumps({"environment": env, "args": args, "rows": rows},
+                                                   indent=1, default=str))
+    md = markdown(rows, env, shapes) + f"\n{env['plot']}\n"
+    (out_dir / "bench.md").write_text(md)
+    return md

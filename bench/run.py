@@ -1,0 +1,287 @@
+"""The side-by-side benchmark of BENCHMARK.md: ``python -m bench.run`` or ``rtkernels bench``.
+
+Every (implementation, method) on the standard shapes, with the peers measured in the same run, then
+JSON + Markdown + PNG under ``--out``. Without CUDA it times on the CPU (``--quick`` for a smoke run).
+A failure becomes a row with its error text; the run goes on and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+if TYPE_CHECKING:  # torch is imported when the benchmark runs, so --help stays quick
+    import torch
+
+#: BENCHMARK.md's standard shapes: name -> [(B, H, N, D, dtypes)]; decode is one token, one entry per B
+SHAPES: dict[str, list[tuple[int, int, int, int, tuple[str, ...]]]] = {
+    "small": [(2, 32, 1024, 128, ("bf16", "fp32"))],
+    "mid": [(4, 32, 4096, 128, ("bf16", "fp16", "fp32"))],
+    "long": [(1, 32, 16384, 128, ("bf16", "fp32"))],
+    "d64": [(8, 16, 2048, 64, ("bf16",))],
+    "huge": [(1, 8, 1048576, 128, ("bf16",))],
+    "decode": [(64, 32, 1, 128, ("bf16",)), (256, 32, 1, 128, ("bf16",))],
+}
+#: --quick: tiny shapes of the same names, a smoke run (e.g. on the CPU)
+QUICK: dict[str, list[tuple[int, int, int, int]]] = {
+    "small": [(1, 2, 64, 16)], "mid": [(2, 2, 128, 16)], "long": [(1, 2, 512, 16)], "d64": [(2, 2, 128, 64)],
+    "huge": [(1, 2, 1024, 16)], "decode": [(2, 2, 1, 16), (4, 2, 1, 16)]}
+METHODS = ("vanilla", "recursion", "block", "fleet", "scan", "chunk", "auto")
+IMPLS = ("rtkernels", "fla", "leetdecoding", "torch")
+O_N_MEMORY = ("scan", "fleet", "block", "chunk", "auto")  # rtkernels methods run on "huge"
+FLUSH_BYTES = 256 << 20
+DEFAULT_OUT = Path(__file__).resolve().parent / "out"
+
+
+@dataclass
+class Case:
+    """One shape: ``name`` from the standard table, ``label`` as the table shows it."""
+
+    name: str
+    label: str
+    b: int
+    h: int
+    n: int
+    d: int
+    dtypes: tuple[str, ...]
+    decode: bool
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The benchmark's options (also used by ``rtkernels bench``)."""
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES),
+                        help="standard shapes to run (default: all)")
+    parser.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16", "fp32"), default=["bf16", "fp16", "fp32"],
+                        help="dtypes to run, where the shape's row lists them (default: all)")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="rtkernels methods")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20; 3 with --quick)")
+    parser.add_argument("--max-call-s", type=float, default=2.0,
+                        help="a call slower than this gets 3 repetitions only (default 2 s)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default bench/out)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, e.g. on the CPU")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    return parser
+
+
+def make_cases(shapes: Sequence[str], dtypes: Sequence[str], quick: bool) -> list[Case]:
+    """The selected shapes with the dtypes both their table row and ``--dtypes`` list."""
+    cases = []
+    for name in shapes:
+        for i, (b, h, n, d, dts) in enumerate(SHAPES[name]):
+            if quick:
+                b, h, n, d = QUICK[name][i]
+            kept = tuple(x for x in dts if x in dtypes)
+            if kept:
+                label = f"decode B={b}" if name == "decode" else name
+                cases.append(Case(name, label, b, h, n, d, kept, name == "decode"))
+    return cases
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, Any]:
+    """q, k = randn/sqrt(D), v = randn in ``[B, H, N, D]``; γ = 1 − exp(linspace(log(1/32), log(1/512), H))
+    (float64, CPU); for decode also a float32 state S."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape: int, div: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device=device).div_(div).to(dtype)
+
+    shape = (case.b, case.h, case.n, case.d)
+    inp = {"qkv": (randn(*shape, div=math.sqrt(case.d)), randn(*shape, div=math.sqrt(case.d)), randn(*shape)),
+           "gamma": -torch.expm1(torch.linspace(math.log(1 / 32), math.log(1 / 512), case.h, dtype=torch.float64)),
+           "state": None}
+    if case.decode:
+        inp["state"] = torch.randn(case.b, case.h, case.d, case.d, generator=gen, device=device)
+    return inp
+
+
+def reference(inp: dict[str, Any], case: Case) -> tuple[torch.Tensor, str]:
+    """fp64 output of batch 0 ``[H, N, D]`` and how it was made."""
+    import torch
+    from rtkernels import causal_linear_attention as cla
+
+    q, k, v = (t[0] for t in inp["qkv"])  # batch 0, [H, N, D]
+    gamma = inp["gamma"]
+    if case.decode:
+        s = gamma.to(q.device)[:, None, None] * inp["state"][0].double() + k.double().transpose(-1, -2) @ v.double()
+        return q.double() @ s, "fp64 one-step recurrence"
+    method = "vanilla" if case.n <= 16384 else "chunk"
+    ref = torch.empty(v.shape, dtype=torch.float64, device=v.device)
+    for h in range(case.h):  # one head at a time bounds the memory (vanilla is N² per head)
+        qh, kh, vh = (t[None, h:h + 1].double() for t in (q, k, v))
+        ref[h] = cla(qh, kh, vh, float(gamma[h]), method=method)[0, 0]
+    note = "rtkernels vanilla fp64" if method == "vanilla" else "rtkernels chunk fp64 (N² vanilla infeasible)"
+    return ref, note
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖_F / ‖ref‖_F, one head at a time (fp64)."""
+    num = den = 0.0
+    for h in range(ref.shape[0]):
+        num += float((out[h].double() - ref[h]).square().sum())
+        den += float(ref[h].square().sum())
+    return math.sqrt(num / den) if den else float("nan")
+
+
+def skip_reason(case: Case, impl: Any) -> Optional[str]:
+    """Why ``impl`` does not run on ``case`` (None: it runs)."""
+    if case.decode and impl.decode is None:
+        return "no decode step (the decode rows run rtkernels method 'scan' with initial_state)" \
+            if impl.name == "rtkernels" else "no decode API (one token from a given state)"
+    if case.name == "huge" and impl.name == "torch":
+        return "N² mask at N = 1M needs terabytes"
+    if case.name == "huge" and impl.name == "rtkernels" and impl.method not in O_N_MEMORY:
+        return f"'{impl.method}' is not O(N) in memory (or is O(N²) in work); huge runs O(N)-memory methods only"
+    return None
+
+
+def measure(impl: Any, case: Case, inp: dict[str, Any], ref: torch.Tensor, device: torch.device,
+            reps: int, flush: Optional[torch.Tensor], max_call_s: float) -> dict[str, Any]:
+    """Time one implementation on one input; its error vs ``ref`` and its peak memory."""
+    from . import timing
+
+    g = impl.decay(inp["gamma"], device)
+    args = inp["qkv"] if impl.layout == "bhnd" else tuple(t.transpose(1, 2).contiguous() for t in inp["qkv"])
+    if case.decode:
+        def fn() -> Any:
+            return impl.decode(*args, g, inp["state"])
+    else:
+        def fn() -> Any:
+            return impl.forward(*args, g)
+    row: dict[str, Any] = {"method": impl.decode_method if case.decode else impl.method}
+    if impl.path is not None:
+        row["path"] = impl.path(args[0], args[2])
+    row.update(timing.time_call(fn, device, reps, flush, max_call_s))
+    out, extra = timing.run_with_peak(fn, device)
+    in_bytes = sum(t.numel() * t.element_size() for t in (*args, *([inp["state"]] if case.decode else [])))
+    if extra is not None:
+        row["extra_mb"], row["peak_mb"] = extra / 2 ** 20, (extra + in_bytes) / 2 ** 20
+    row["rel_err"] = rel_err(out[0] if impl.layout == "bhnd" else out[0].transpose(0, 1), ref)
+    return row
+
+
+def host_overheads(impls: list[Any], device: torch.device) -> dict[str, Any]:
+    """µs per call of 200 back-to-back calls at a tiny shape (1, 1, 64, 64): rtkernels scan (decay as
+    a [H] CPU tensor and as a float) and fla, where loaded."""
+    import torch
+    from rtkernels import causal_linear_attention as cla
+
+    from . import timing
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q, k, v = (torch.randn(1, 1, 64, 64, device=device, dtype=dtype) for _ in range(3))
+    g = torch.tensor([0.97])
+    res: dict[str, Any] = {"shape": "1x1x64x64 " + str(dtype).replace("torch.", "")}
+    res["rtkernels scan, decay [H] CPU tensor"] = timing.host_overhead(lambda: cla(q, k, v, g, method="scan"), device)
+    res["rtkernels scan, decay float"] = timing.host_overhead(lambda: cla(q, k, v, 0.97, method="scan"), device)
+    fla = next((impl for impl in impls if impl.name == "fla"), None)
+    if fla is not None:
+        gf, qt, kt, vt = fla.decay(g.double(), device), *(t.transpose(1, 2).contiguous() for t in (q, k, v))
+        res["fla chunk_simple_gla"] = timing.host_overhead(lambda: fla.forward(qt, kt, vt, gf), device)
+    return res
+
+
+def load_impls(names: Sequence[str], methods: Sequence[str], device: torch.device) -> tuple[list[Any], dict]:
+    """The implementations to run, and what each peer's loading said (version, or why it is absent)."""
+    from . import peers
+
+    impls = [peers.rtkernels_impl(m) for m in methods] if "rtkernels" in names else []
+    info: dict[str, Any] = {}
+    for name, loader in (("fla", peers.load_fla), ("leetdecoding", peers.load_leetdecoding)):
+        if name not in names:
+            info[name] = {"loaded": False, "reason": "not requested (--impls)"}
+            continue
+        impl, info[name] = loader(device)
+        impls += [impl] if impl else []
+    return impls + ([peers.torch_impl()] if "torch" in names else []), info
+
+
+def _err(exc: BaseException) -> str:
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+
+
+def _free(device: torch.device) -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    try:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    except RuntimeError:  # a dead CUDA context: every later row records its own error
+        pass
+
+
+def run_case(case: Case, dt: str, impls: list[Any], device: torch.device, args: argparse.Namespace, reps: int,
+             flush: Optional[torch.Tensor]) -> list[dict[str, Any]]:
+    """Every implementation on one (shape, dtype): one row each, a failure becoming a row with its error."""
+    import torch
+
+    from . import report, timing
+
+    base = {"shape": case.label, "B": case.b, "H": case.h, "N": case.n, "D": case.d, "dtype": dt,
+            "pass": "decode" if case.decode else "fwd"}
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
+    try:
+        inp = make_inputs(case, dtype, device, args.seed)
+        ref, note = reference(inp, case)
+    except Exception as exc:
+        _free(device)
+        return [{**base, "impl": "inputs/reference", "error": _err(exc)}]
+    in_bytes = sum(t.numel() * t.element_size() for t in inp["qkv"])
+    flush = flush if flush is not None and in_bytes < 2 * timing.l2_bytes(device) else None
+    rows = []
+    for impl in impls:
+        row = {**base, "impl": impl.name, "method": impl.decode_method if case.decode else impl.method,
+               "ref": note, "l2_flush": flush is not None}
+        reason = skip_reason(case, impl)
+        try:
+            row.update({"skipped": reason} if reason else
+                       measure(impl, case, inp, ref, device, reps, flush, args.max_call_s))
+        except Exception as exc:
+            row["error"] = _err(exc)
+        rows.append(row)
+        status = "skipped" if reason else row.get("error") or f"{row['ms']:.3f} ms, rel err {row['rel_err']:.1e}"
+        print(f"  [{case.label} {dt}] {report.label(row)}: {status}", flush=True)
+        _free(device)
+    del inp, ref
+    _free(device)
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the benchmark; write OUT/bench.json, OUT/bench.md, OUT/bench.png; print the table."""
+    args = add_arguments(argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)).parse_args(argv)
+    import torch
+
+    from . import report
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    reps = args.reps or (3 if args.quick else 20)
+    if reps < 20 and not args.quick:
+        print(f"warning: --reps {reps} < 20, below BENCHMARK.md's protocol", file=sys.stderr)
+    print(f"bench: device {device}, reps {reps}, out {args.out}", flush=True)
+    env = report.environment(device, args.quick)
+    impls, env["peers"] = load_impls(args.impls, args.methods, device)
+    try:
+        env["host_overhead_us"] = host_overheads(impls, device)
+    except Exception as exc:
+        env["host_overhead_us"] = {"error": _err(exc)}
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+    cases = make_cases(args.shapes, args.dtypes, args.quick)
+    rows = [row for case in cases for dt in case.dtypes for row in run_case(case, dt, impls, device, args, reps, flush)]
+    shapes = {c.label: "×".join(map(str, (c.b, c.h, c.n, c.d))) for c in cases}
+    print(report.write(args.out, env, rows, shapes, {k: str(v) for k, v in vars(args).items()}))
+    print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
