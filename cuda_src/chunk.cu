@@ -173,6 +173,7 @@ rtk_chunk_fwd(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ k,
   load_chunk(0, 0);
   rtk_cp_async_commit();
   store_state_copy();
+  if (!VEC) __syncthreads();  // chunk 0 was stored by other threads; the v check below reads it
 
   const rtk_u32 sS_addr = rtk_smem_addr(sm + L::S);
   const int r0 = 16 * w;  // this warp's first row within the chunk
@@ -182,7 +183,20 @@ rtk_chunk_fwd(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ k,
     if (chunk + 1 < nchunks) load_chunk(chunk + 1, stage ^ 1);
     rtk_cp_async_commit();
     rtk_cp_async_wait<1>();
-    __syncthreads();  // (A) this chunk's tiles and the state copy are visible
+    // Each thread looks at the 16-byte v pieces of its index set for Inf/NaN (with VEC the pieces
+    // it copied itself; without, pieces written before an earlier barrier); the barrier ORs them.
+    bool my_bad = false;
+    {
+      const rtk_u16* sV = sm + stage * L::STAGE + L::V;
+      constexpr int VV = BV / 8;
+      for (int e = tid; e < C * VV; e += NTHREADS) {
+        const int r = e / VV, col = (e - r * VV) * 8;
+        const uint4 x = *reinterpret_cast<const uint4*>(sV + r * VS + col);
+        my_bad |= rtk_nonfinite2<DT>(x.x) | rtk_nonfinite2<DT>(x.y) | rtk_nonfinite2<DT>(x.z) |
+                  rtk_nonfinite2<DT>(x.w);
+      }
+    }
+    const bool v_bad = __syncthreads_or(my_bad) != 0;  // (A) tiles and state copy visible
 
     const int n0 = chunk * C;
     const int len = min(C, N - n0);
@@ -228,8 +242,8 @@ rtk_chunk_fwd(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ k,
     }
 
     // inter-chunk part: gamma^(t+1) (undoing the copy's 2^e)
-    const float f_lo = exp2f(lg2 * (float)(r0 + g + 1)) * s_inv;
-    const float f_hi = exp2f(lg2 * (float)(r0 + g + 9)) * s_inv;
+    const float f_lo = rtk_exp2(lg2 * (float)(r0 + g + 1)) * s_inv;
+    const float f_hi = rtk_exp2(lg2 * (float)(r0 + g + 9)) * s_inv;
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       o_acc[nt][0] *= f_lo; o_acc[nt][1] *= f_lo;
@@ -242,7 +256,7 @@ rtk_chunk_fwd(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ k,
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = r0 + g + (e >> 1) * 8, s = j * 8 + 2 * t4 + (e & 1);
-        p[j][e] = s <= t ? p[j][e] * exp2f(lg2 * (float)(t - s)) : 0.f;
+        p[j][e] = s <= t ? p[j][e] * rtk_exp2(lg2 * (float)(t - s)) : 0.f;
       }
 
     // ---- + P V over the key blocks at or left of the diagonal --------------------------------
@@ -259,19 +273,21 @@ rtk_chunk_fwd(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ k,
         for (int np = 0; np < NT / 2; ++np) {
           rtk_u32 bb[4];
           rtk_ldsm_x4_trans(bb, sV_addr + 2 * ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + np * 16 + (lane >> 4) * 8));
-          #pragma unroll
-          for (int i = 0; i < 4; ++i) {  // zero Inf/NaN, remember that we saw one
-            const rtk_u32 lo_bad = ((bb[i] & EXP) == EXP) ? 0x0000FFFFu : 0u;
-            const rtk_u32 hi_bad = (((bb[i] >> 16) & EXP) == EXP) ? 0xFFFF0000u : 0u;
-            saw_bad |= (lo_bad | hi_bad) != 0u;
-            bb[i] &= ~(lo_bad | hi_bad);
+          if (v_bad) {  // rare: zero Inf/NaN in the operand, remember that this warp saw one
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const rtk_u32 lo_bad = ((bb[i] & EXP) == EXP) ? 0x0000FFFFu : 0u;
+              const rtk_u32 hi_bad = (((bb[i] >> 16) & EXP) == EXP) ? 0xFFFF0000u : 0u;
+              saw_bad |= (lo_bad | hi_bad) != 0u;
+              bb[i] &= ~(lo_bad | hi_bad);
+            }
           }
           rtk_mma16816<DT>(o_acc[2 * np], a, bb[0], bb[1]);
           rtk_mma16816<DT>(o_acc[2 * np + 1], a, bb[2], bb[3]);
         }
       }
     }
-    if (__any_sync(0xffffffffu, saw_bad)) {
+    if (v_bad && __any_sync(0xffffffffu, saw_bad)) {
       // rare: mark the outputs a non-finite v_s reaches (rows t >= s of the same column)
       const rtk_u16* sV = sm + stage * L::STAGE + L::V;
       #pragma unroll
@@ -306,7 +322,7 @@ rtk_chunk_fwd(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ k,
     }
 
     // ---- state update: S = gamma^len S + (K * w)^T V, w_s = gamma^(len-1-s) -------------------
-    const float carry = exp2f(lg2 * (float)len);
+    const float carry = rtk_exp2(lg2 * (float)len);
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
       #pragma unroll
@@ -317,20 +333,18 @@ rtk_chunk_fwd(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ k,
     for (int kk = 0; kk < C / 16; ++kk) {
       if (kk * 16 < len) {
         const int s_a = kk * 16 + 2 * t4, s_b = s_a + 8;
-        const float w0 = s_a < len ? exp2f(lg2 * (float)(len - 1 - s_a)) : 0.f;
-        const float w1 = s_a + 1 < len ? exp2f(lg2 * (float)(len - 2 - s_a)) : 0.f;
-        const float w2 = s_b < len ? exp2f(lg2 * (float)(len - 1 - s_b)) : 0.f;
-        const float w3 = s_b + 1 < len ? exp2f(lg2 * (float)(len - 2 - s_b)) : 0.f;
+        const rtk_u32 wa = rtk_pack2<DT>(s_a < len ? rtk_exp2(lg2 * (float)(len - 1 - s_a)) : 0.f,
+                                         s_a + 1 < len ? rtk_exp2(lg2 * (float)(len - 2 - s_a)) : 0.f);
+        const rtk_u32 wb = rtk_pack2<DT>(s_b < len ? rtk_exp2(lg2 * (float)(len - 1 - s_b)) : 0.f,
+                                         s_b + 1 < len ? rtk_exp2(lg2 * (float)(len - 2 - s_b)) : 0.f);
         rtk_u32 a[MT][4];
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * KS + sr0 + mt * 16 + ((lane >> 3) & 1) * 8));
-          #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            float x0, x1;
-            rtk_unpack2<DT>(a[mt][i], x0, x1);
-            a[mt][i] = i < 2 ? rtk_pack2<DT>(x0 * w0, x1 * w1) : rtk_pack2<DT>(x0 * w2, x1 * w3);
-          }
+          a[mt][0] = rtk_mul2<DT>(a[mt][0], wa);  // k_s * gamma^(len-1-s), s = kk*16 + 2*t4 + {0, 1}
+          a[mt][1] = rtk_mul2<DT>(a[mt][1], wa);
+          a[mt][2] = rtk_mul2<DT>(a[mt][2], wb);  // s + 8
+          a[mt][3] = rtk_mul2<DT>(a[mt][3], wb);
         }
         #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {

@@ -127,3 +127,26 @@ template <int DT> __device__ __forceinline__ void rtk_unpack2(rtk_u32 r, float& 
 template <int DT> struct rtk_expmask;
 template <> struct rtk_expmask<RTK_BF16> { static constexpr rtk_u32 v = 0x7F80u; };
 template <> struct rtk_expmask<RTK_F16> { static constexpr rtk_u32 v = 0x7C00u; };
+// True when either 16-bit half of x is Inf or NaN (exponent bits all ones).
+template <int DT> __device__ __forceinline__ bool rtk_nonfinite2(rtk_u32 x) {
+  constexpr rtk_u32 m = rtk_expmask<DT>::v;
+  return ((x & m) == m) || ((x & (m << 16)) == (m << 16));
+}
+// Elementwise product of two packed 16-bit pairs, rounded to nearest (fma with -0 keeps a*b exact-rounded).
+template <int DT> __device__ __forceinline__ rtk_u32 rtk_mul2(rtk_u32 a, rtk_u32 b);
+template <> __device__ __forceinline__ rtk_u32 rtk_mul2<RTK_BF16>(rtk_u32 a, rtk_u32 b) {
+  rtk_u32 d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+template <> __device__ __forceinline__ rtk_u32 rtk_mul2<RTK_F16>(rtk_u32 a, rtk_u32 b) {
+  rtk_u32 d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+// 2^x with one MUFU instruction (relative error below 2^-22; 0 for x very negative).
+__device__ __forceinline__ float rtk_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
