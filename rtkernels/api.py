@@ -116,6 +116,9 @@ def _check_factor_or_rate(value: Any, name: str, h: int, device: torch.device) -
         raise ValueError(f"{name} must be a float or a tensor of shape [H] = [{h}], got shape {tuple(t.shape)}")
     if t.device != device and t.device.type != "cpu":
         raise ValueError(f"{name} must be on the device of q ({device}) or on the CPU, got {t.device}")
+    if t.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError(f"{name} requires grad: gradients with respect to the decay are not "
+                                  f"supported yet; pass {name}.detach()")
     t = t.detach()
     if t.device.type == "cpu":  # checked on the host; nothing reaches the device but a cached tensor
         values = tuple(t.tolist())
@@ -208,8 +211,9 @@ def causal_linear_attention(
     if method not in METHOD_NAMES:
         raise ValueError(f"method must be one of {', '.join(repr(m) for m in METHOD_NAMES)}, got {method!r}")
     if not isinstance(return_state, (bool, np.bool_)):
-        raise TypeError(f"return_state must be a bool, got {type(return_state).__module__}."
-                        f"{type(return_state).__qualname__}")
+        tp = type(return_state)
+        tname = tp.__name__ if tp.__module__ == "builtins" else f"{tp.__module__}.{tp.__qualname__}"
+        raise TypeError(f"return_state must be a bool, got {tname}")
     return_state = bool(return_state)
     b, h, n, _ = qt.shape
     dv = vt.shape[3]
@@ -229,7 +233,15 @@ def causal_linear_attention(
             state = (s0.to(sdt, copy=True) if s0 is not None else
                      torch.zeros(b, h, qt.shape[3], dv, dtype=sdt, device=qt.device))
     else:
-        name = auto_method(qt, vt) if method == "auto" else method
+        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qt, kt, vt, s0))
+        name = method
+        if method == "auto":
+            # the CUDA kernels have no backward yet; the torch paths are differentiable
+            name = "chunk" if grad else auto_method(qt, vt)
+        if grad and METHODS[name].uses_kernel(qt, vt):
+            raise NotImplementedError(
+                f"method={name!r} runs a CUDA kernel that has no backward yet, and an input requires "
+                f"grad; use method='auto' or 'vanilla' (torch paths, differentiable), or detach the inputs")
         state = run_method(name, qt, kt, vt, log_decay, scale, out_view, s0, return_state)
     if kind == "cupy":
         import cupy

@@ -186,3 +186,16 @@ def test_kernel_on_second_device(method):
     assert out.device == torch.device("cuda:1")
     ref, _ = reference(q, k, v, torch.full((2,), 0.9, dtype=torch.float64))
     assert_close(out, ref, torch.float16, "cuda:1")
+
+
+@pytest.mark.parametrize("method", KERNEL_METHODS)
+def test_kernel_never_detaches_silently(method):
+    q, k, v = _inputs(1, 2, 100, 32, 32, torch.bfloat16, "bhnd", seed=8)
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        rtkernels.causal_linear_attention(q, k, v, 0.9, method=method)
+    out = rtkernels.causal_linear_attention(q, k, v, 0.9)  # auto picks a differentiable path
+    out.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    with torch.no_grad():
+        rtkernels.causal_linear_attention(q, k, v, 0.9, method=method)  # no grad needed: fine
