@@ -36,16 +36,8 @@ struct rtk_chunk_smem {
 
 template <int DT, int KMAX, int BV, int NW, bool VEC>
 __global__ void __launch_bounds__(NW * 32)
-rtk_chunk_fwd(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ k,
-              const rtk_u16* __restrict__ v, rtk_u16* __restrict__ o,
-              const float* __restrict__ log_decay,   // [H], natural log of gamma
-              const float* __restrict__ init_state,  // [B*H, Dk, Dv] fp32 or null
-              float* __restrict__ final_state,       // [B*H, Dk, Dv] fp32 or null
-              int H, int N, int Dk, int Dv, float scale,
-              rtk_i64 q_sb, rtk_i64 q_sh, rtk_i64 q_sn,
-              rtk_i64 k_sb, rtk_i64 k_sh, rtk_i64 k_sn,
-              rtk_i64 v_sb, rtk_i64 v_sh, rtk_i64 v_sn,
-              rtk_i64 o_sb, rtk_i64 o_sh, rtk_i64 o_sn) {
+rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16)) {
+  RTK_FWD_SIZES;
   typedef rtk_chunk_smem<KMAX, BV, NW> L;
   constexpr int C = L::C, KS = L::KS, VS = L::VS;
   constexpr int NT = BV / 8;                // n-tiles of the value columns

@@ -10,9 +10,10 @@
 template <int DT>
 __global__ void rtk_fleet_reduce(const float* __restrict__ partial,  // [tiles, B*H, N, Dv]
                                  typename rtk_io<DT>::T* __restrict__ o,
-                                 int tiles, int BH, int H, int N, int Dv, float scale,
-                                 rtk_i64 o_sb, rtk_i64 o_sh, rtk_i64 o_sn) {
-  const rtk_i64 total = (rtk_i64)BH * N * Dv;
+                                 rtk_i64 tiles, rtk_i64 BH, rtk_i64 H, rtk_i64 N, rtk_i64 Dv,
+                                 double scale_, rtk_i64 o_sb, rtk_i64 o_sh, rtk_i64 o_sn) {
+  const float scale = (float)scale_;
+  const rtk_i64 total = BH * N * Dv;
   const rtk_i64 tile_stride = total;
   for (rtk_i64 e = (rtk_i64)blockIdx.x * blockDim.x + threadIdx.x; e < total;
        e += (rtk_i64)gridDim.x * blockDim.x) {
@@ -22,7 +23,7 @@ __global__ void rtk_fleet_reduce(const float* __restrict__ partial,  // [tiles, 
     const int bh = (int)(row / N);
     float acc = 0.f;
     for (int t = 0; t < tiles; ++t) acc += partial[t * tile_stride + e];
-    const int b = bh / H, h = bh - b * H;
+    const int b = bh / (int)H, h = bh - b * (int)H;
     const rtk_strides os = {o_sb, o_sh, o_sn};
     rtk_io<DT>::store(o + rtk_offset(os, b, h, n) + c, acc * scale);
   }

@@ -22,19 +22,9 @@
 
 template <int DT, int KMAX, int BV, int T, int NT>
 __global__ void __launch_bounds__(NT)
-rtk_scan_fwd(const typename rtk_io<DT>::T* __restrict__ q,
-             const typename rtk_io<DT>::T* __restrict__ k,
-             const typename rtk_io<DT>::T* __restrict__ v,
-             typename rtk_io<DT>::T* __restrict__ o,
-             const float* __restrict__ log_decay,     // [H]
-             const float* __restrict__ init_state,    // [B*H, Dk, Dv] fp32, or null
-             float* __restrict__ final_state,         // [B*H, Dk, Dv] fp32, or null
-             float* __restrict__ partial,             // [gridDim.z, B*H, N, Dv] fp32 if gridDim.z > 1
-             int H, int N, int Dk, int Dv, float scale,
-             rtk_i64 q_sb, rtk_i64 q_sh, rtk_i64 q_sn,
-             rtk_i64 k_sb, rtk_i64 k_sh, rtk_i64 k_sn,
-             rtk_i64 v_sb, rtk_i64 v_sh, rtk_i64 v_sn,
-             rtk_i64 o_sb, rtk_i64 o_sh, rtk_i64 o_sn) {
+rtk_scan_fwd(RTK_FWD_PARAMS(typename rtk_io<DT>::T),
+             float* __restrict__ partial) {  // [gridDim.z, B*H, N, Dv] fp32 if gridDim.z > 1
+  RTK_FWD_SIZES;
   typedef rtk_io<DT> io;
   constexpr int G = NT / BV;        // k-groups
   constexpr int KPT = KMAX / G;     // state rows per thread

@@ -234,15 +234,16 @@ def causal_linear_attention(
                      torch.zeros(b, h, qt.shape[3], dv, dtype=sdt, device=qt.device))
     else:
         grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qt, kt, vt, s0))
-        name = method
         if method == "auto":
             # the CUDA kernels have no backward yet; the torch paths are differentiable
-            name = "chunk" if grad else auto_method(qt, vt)
-        if grad and METHODS[name].uses_kernel(qt, vt):
-            raise NotImplementedError(
-                f"method={name!r} runs a CUDA kernel that has no backward yet, and an input requires "
-                f"grad; use method='auto' or 'vanilla' (torch paths, differentiable), or detach the inputs")
-        state = run_method(name, qt, kt, vt, log_decay, scale, out_view, s0, return_state)
+            name, torch_only = ("chunk", True) if grad else (auto_method(qt, vt), False)
+        else:
+            name, torch_only = method, False
+            if grad and METHODS[name].uses_kernel(qt, vt):
+                raise NotImplementedError(
+                    f"method={name!r} runs a CUDA kernel that has no backward yet, and an input requires "
+                    f"grad; use method='auto' (a differentiable torch path) or detach the inputs")
+        state = run_method(name, qt, kt, vt, log_decay, scale, out_view, s0, return_state, torch_only)
     if kind == "cupy":
         import cupy
 

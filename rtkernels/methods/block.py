@@ -20,9 +20,10 @@ import torch
 
 from ..decay import LogDecay
 
-import numpy as np
+import functools
 
 from ..runtime import dtype_code, get_function, launch
+from ._launch import fwd_args, operands
 from ._torch_common import inter_chunk, intra_chunk, state_update, zero_state
 from .scan import MAX_DIM, kernel_supports  # noqa: F401  (same limits as the scan kernel)
 
@@ -66,23 +67,22 @@ def smem_bytes(kmax: int, bv: int, c: int) -> int:
     return 4 * (2 * c * (kmax + 1) + c * bv + c * (c + 1) + kmax * bv + c)
 
 
+@functools.lru_cache(maxsize=None)
+def _launch_config(dtype: torch.dtype, dk: int, dv: int) -> tuple[str, int, int]:
+    config = kernel_config(dtype, dk, dv)
+    _, kmax, bv, c, nt = config
+    return name_expression(config), bv, smem_bytes(kmax, bv, c), nt
+
+
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool) -> Optional[torch.Tensor]:
     b, h, n, dk = q.shape
     dv = v.shape[-1]
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    config = kernel_config(q.dtype, dk, dv)
-    _, kmax, bv, c, nt = config
-    smem = smem_bytes(kmax, bv, c)
+    q, k, v, s0, final = operands(q, k, v, initial_state, need_state)
+    name, bv, smem, nt = _launch_config(q.dtype, dk, dv)
     dev = q.device.index
-    fn = get_function(SOURCE, name_expression(config), dev, dynamic_smem=smem)
-    lg = log_decay.tensor(torch.float32)
-    s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    final = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if need_state else None
-    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lg.data_ptr(),
-            0 if s0 is None else s0.data_ptr(), 0 if final is None else final.data_ptr(),
-            np.int32(h), np.int32(n), np.int32(dk), np.int32(dv), np.float32(scale),
-            *(np.int64(s) for x in (q, k, v, out) for s in x.stride()[:3]))
-    launch(fn, (b * h, -(-dv // bv), 1), (nt, 1, 1), args, dev, shared_mem=smem)
+    fn = get_function(SOURCE, name, dev, dynamic_smem=smem)
+    launch(fn, (b * h, -(-dv // bv), 1), (nt, 1, 1), fwd_args(q, k, v, out, log_decay, s0, final, scale),
+           dev, shared_mem=smem)
     return final

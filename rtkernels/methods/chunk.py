@@ -25,9 +25,10 @@ import torch
 from ..decay import LogDecay
 import torch.nn.functional as F
 
-import numpy as np
+import functools
 
 from ..runtime import dtype_code, get_function, launch
+from ._launch import fwd_args, operands
 from ._torch_common import block_state, inter_chunk, intra_chunk, state_update, zero_state
 
 SOURCE = "chunk.cu"
@@ -92,7 +93,15 @@ def smem_bytes(kmax: int, bv: int, nw: int) -> int:
 
 
 def _aligned(x: torch.Tensor) -> bool:
-    return x.data_ptr() % 16 == 0 and all(s % 8 == 0 for s in x.stride()[:3])
+    s = x.stride()
+    return x.data_ptr() % 16 == 0 and s[0] % 8 == 0 and s[1] % 8 == 0 and s[2] % 8 == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_config(dtype: torch.dtype, dk: int, dv: int, vec: bool) -> tuple[str, int, int, int]:
+    config = kernel_config(dtype, dk, dv, vec)
+    _, kmax, bv, nw, _ = config
+    return name_expression(config), bv, smem_bytes(kmax, bv, nw), nw * 32
 
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
@@ -100,18 +109,11 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
                    need_state: bool) -> Optional[torch.Tensor]:
     b, h, n, dk = q.shape
     dv = v.shape[-1]
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    config = kernel_config(q.dtype, dk, dv, all(_aligned(x) for x in (q, k, v)))
-    _, kmax, bv, nw, _ = config
-    smem = smem_bytes(kmax, bv, nw)
+    q, k, v, s0, final = operands(q, k, v, initial_state, need_state)
+    vec = _aligned(q) and _aligned(k) and _aligned(v)
+    name, bv, smem, threads = _launch_config(q.dtype, dk, dv, vec)
     dev = q.device.index
-    fn = get_function(SOURCE, name_expression(config), dev, dynamic_smem=smem)
-    lg = log_decay.tensor(torch.float32)
-    s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    final = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if need_state else None
-    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lg.data_ptr(),
-            0 if s0 is None else s0.data_ptr(), 0 if final is None else final.data_ptr(),
-            np.int32(h), np.int32(n), np.int32(dk), np.int32(dv), np.float32(scale),
-            *(np.int64(s) for x in (q, k, v, out) for s in x.stride()[:3]))
-    launch(fn, (b * h, -(-dv // bv), 1), (nw * 32, 1, 1), args, dev, shared_mem=smem)
+    fn = get_function(SOURCE, name, dev, dynamic_smem=smem)
+    launch(fn, (b * h, -(-dv // bv), 1), (threads, 1, 1), fwd_args(q, k, v, out, log_decay, s0, final, scale),
+           dev, shared_mem=smem)
     return final

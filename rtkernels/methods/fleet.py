@@ -25,8 +25,6 @@ import torch
 
 from ..decay import LogDecay
 
-import numpy as np
-
 from ..runtime import dtype_code, get_function, launch
 from . import scan
 from ._torch_common import causal_apply, causal_decay_matrix, decay_powers, zero_state
@@ -79,7 +77,6 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
         fn = get_function(SOURCE, name_expression((dtype_code(q.dtype),)), dev)
         total = bh * n * dv
         blocks = min(-(-total // 256), 65535)
-        args = (partial.data_ptr(), out.data_ptr(), np.int32(tiles), np.int32(bh), np.int32(q.shape[1]),
-                np.int32(n), np.int32(dv), np.float32(scale), *(np.int64(s) for s in out.stride()[:3]))
+        args = (partial.data_ptr(), out.data_ptr(), tiles, bh, q.shape[1], n, dv, scale, *out.stride()[:3])
         launch(fn, (blocks, 1, 1), (256, 1, 1), args, dev)
     return final

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-import numpy as np
+import functools
+
 import torch
 
 from ..decay import LogDecay
 
 from ..runtime import dtype_code, get_function, launch
+from ._launch import fwd_args, operands
 from ._torch_common import zero_state
 
 SOURCE = "scan.cu"
@@ -74,25 +76,22 @@ def launch_state_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_dec
     """
     b, h, n, dk = q.shape
     dv = v.shape[-1]
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    tiles = -(-dk // rank_tile)
-    config = kernel_config(q.dtype, -(-dk // tiles))
-    _, kmax, bv, _, nt = config
+    q, k, v, s0, final = operands(q, k, v, initial_state, need_state)
+    name, kmax, bv, nt = _launch_config(q.dtype, dk, rank_tile)
     tiles = -(-dk // kmax)
     dev = q.device.index
-    fn = get_function(SOURCE, name_expression(config), dev)
-    lg = log_decay.tensor(torch.float32)
-    s0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
-    final = torch.empty(b, h, dk, dv, dtype=torch.float32, device=q.device) if need_state else None
+    fn = get_function(SOURCE, name, dev)
     partial = torch.empty(tiles, b * h, n, dv, dtype=torch.float32, device=q.device) if tiles > 1 else None
-    i64 = np.int64
-    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lg.data_ptr(),
-            0 if s0 is None else s0.data_ptr(), 0 if final is None else final.data_ptr(),
-            0 if partial is None else partial.data_ptr(),
-            np.int32(h), np.int32(n), np.int32(dk), np.int32(dv), np.float32(scale),
-            *(i64(s) for x in (q, k, v, out) for s in x.stride()[:3]))
+    args = (*fwd_args(q, k, v, out, log_decay, s0, final, scale), 0 if partial is None else partial.data_ptr())
     launch(fn, (b * h, -(-dv // bv), tiles), (nt, 1, 1), args, dev)
     return partial, final
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_config(dtype: torch.dtype, dk: int, rank_tile: int) -> tuple[str, int, int, int]:
+    tiles = -(-dk // rank_tile)
+    config = kernel_config(dtype, -(-dk // tiles))
+    return name_expression(config), config[1], config[2], config[4]
 
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
