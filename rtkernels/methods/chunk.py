@@ -12,7 +12,8 @@ scans the chunk states. Work O(N C (Dk + Dv) + N Dk Dv), memory O(N (Dk + Dv) + 
 On a CUDA device, fp16 and bf16 inputs with Dk, Dv <= 256 run ``chunk.cu``: one fused kernel on
 tensor cores (mma.sync m16n8k16, fp32 accumulation, fp32 state in registers), one CTA per
 (batch, head, tile of value columns) walking chunks of 64 tokens, the next chunk loaded with
-cp.async while the current one is computed. Memory beyond inputs and output: none.
+cp.async while the current one is computed; four warps compute the outputs while four others
+update the state. Memory beyond inputs and output: none.
 fp32 and fp64 inputs run the torch path (for now).
 """
 
@@ -34,7 +35,7 @@ from ._torch_common import block_state, inter_chunk, intra_chunk, state_update, 
 SOURCE = "chunk.cu"
 #: Largest Dk and Dv the kernel takes.
 MAX_DIM = 256
-_NW = 4  # warps per CTA; the kernel's chunk is 16 * _NW tokens
+CHUNK_KERNEL = 64  # tokens per chunk of the kernel (8 warps: 4 output warps x 16 rows, 4 state warps)
 
 #: Tokens per chunk of the torch path.
 CHUNK = 64
@@ -70,26 +71,28 @@ def kernel_supports(q: torch.Tensor, v: torch.Tensor) -> bool:
     return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= MAX_DIM and v.shape[-1] <= MAX_DIM
 
 
-def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool) -> tuple:
-    """Template arguments (DT, KMAX, BV, NW, VEC) of ``rtk_chunk_fwd``."""
+def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, ctas: int = 0, sms: int = 1) -> tuple:
+    """Template arguments (DT, KMAX, BV, VEC, MINB) of ``rtk_chunk_fwd`` for a grid of ``ctas``
+    CTAs on a GPU with ``sms`` multiprocessors."""
     kmax = 64 if dk <= 64 else 128 if dk <= 128 else 256
     bv = 32 if kmax == 256 or dv <= 32 else 64
-    return dtype_code(dtype), kmax, bv, _NW, vec
+    minb = 1 if ctas <= sms else 2
+    return dtype_code(dtype), kmax, bv, vec, minb
 
 
 def all_configs() -> list[tuple]:
-    return sorted({kernel_config(dt, dk, dv, vec) for dt in (torch.float16, torch.bfloat16)
-                   for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True)})
+    return sorted({kernel_config(dt, dk, dv, vec, ctas) for dt in (torch.float16, torch.bfloat16)
+                   for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True) for ctas in (1, 2)})
 
 
 def name_expression(config: tuple) -> str:
     return "rtk_chunk_fwd<" + ", ".join(str(c).lower() for c in config) + ">"
 
 
-def smem_bytes(kmax: int, bv: int, nw: int) -> int:
+def smem_bytes(kmax: int, bv: int) -> int:
     """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in chunk.cu)."""
-    c = 16 * nw
-    return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + kmax * (bv + 8)) + 16 * nw
+    c = CHUNK_KERNEL
+    return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + kmax * (bv + 8)) + 32
 
 
 def _aligned(x: torch.Tensor) -> bool:
@@ -98,10 +101,15 @@ def _aligned(x: torch.Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_config(dtype: torch.dtype, dk: int, dv: int, vec: bool) -> tuple[str, int, int, int]:
-    config = kernel_config(dtype, dk, dv, vec)
-    _, kmax, bv, nw, _ = config
-    return name_expression(config), bv, smem_bytes(kmax, bv, nw), nw * 32
+def _sm_count(dev: int) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, dev: int) -> tuple[str, int, int, int]:
+    bv = kernel_config(dtype, dk, dv, vec)[2]
+    config = kernel_config(dtype, dk, dv, vec, bh * -(-dv // bv), _sm_count(dev))
+    return name_expression(config), bv, smem_bytes(config[1], bv), 256
 
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
@@ -111,8 +119,8 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     dv = v.shape[-1]
     q, k, v, s0, final = operands(q, k, v, initial_state, need_state)
     vec = _aligned(q) and _aligned(k) and _aligned(v)
-    name, bv, smem, threads = _launch_config(q.dtype, dk, dv, vec)
     dev = q.device.index
+    name, bv, smem, threads = _launch_config(q.dtype, dk, dv, vec, b * h, dev)
     fn = get_function(SOURCE, name, dev, dynamic_smem=smem)
     launch(fn, (b * h, -(-dv // bv), 1), (threads, 1, 1), fwd_args(q, k, v, out, log_decay, s0, final, scale),
            dev, shared_mem=smem)
