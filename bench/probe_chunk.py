@@ -15,7 +15,7 @@ def run(shape, probes, reps=20):
     name, bv, smem, threads = chunk._launch_config(q.dtype, D, D, True, B * H, 0)
     opts = tuple(p if p.startswith("-D") else f"-DRTK_PROBE_{p}" for p in probes)
     fn = get_function(chunk.SOURCE, name, 0, extra_options=opts, dynamic_smem=smem)
-    args = fwd_args(q, k, v, out, ld, None, None, 1.0)
+    args = (*fwd_args(q, k, v, out, ld, None, None, 1.0), N, 0)
     f = lambda: launch(fn, (B * H, -(-D // bv), 1), (threads, 1, 1), args, 0, shared_mem=smem)
     for _ in range(3): f()
     s, e = torch.cuda.Event(True), torch.cuda.Event(True)

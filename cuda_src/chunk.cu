@@ -40,7 +40,7 @@ struct rtk_chunk_smem {
 // more than one wave; 1: no spills, for grids that give each SM at most one CTA anyway).
 template <int DT, int KMAX, int BV, bool VEC, int MINB>
 __global__ void __launch_bounds__(256, MINB)
-rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16)) {
+rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
   RTK_FWD_SIZES;
   typedef rtk_chunk_smem<KMAX, BV> L;
   constexpr int C = L::C, KS = L::KS, VS = L::VS;
@@ -62,10 +62,15 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16)) {
 
   const rtk_strides qs = {q_sb, q_sh, q_sn}, ks = {k_sb, k_sh, k_sn};
   const rtk_strides vs = {v_sb, v_sh, v_sn}, os = {o_sb, o_sh, o_sn};
-  const rtk_u16* qb = q + rtk_offset(qs, b, h, 0);
-  const rtk_u16* kb = k + rtk_offset(ks, b, h, 0);
-  const rtk_u16* vb = v + rtk_offset(vs, b, h, 0) + v0;
-  rtk_u16* ob = o + rtk_offset(os, b, h, 0);
+  // Split-sequence strategy: CTA z handles tokens [z * seg_len, z * seg_len + NS) and its state
+  // enters from / leaves to slot z of the state buffers (one segment, z = 0, otherwise).
+  const rtk_i64 n_begin = (rtk_i64)blockIdx.z * seg_len;
+  const int NS = (int)min((rtk_i64)N - n_begin, seg_len);
+  const rtk_i64 state_slot = (rtk_i64)blockIdx.z * gridDim.x * Dk * Dv;
+  const rtk_u16* qb = q + rtk_offset(qs, b, h, n_begin);
+  const rtk_u16* kb = k + rtk_offset(ks, b, h, n_begin);
+  const rtk_u16* vb = v + rtk_offset(vs, b, h, n_begin) + v0;
+  rtk_u16* ob = o + rtk_offset(os, b, h, n_begin);
   const int dv_here = min(BV, Dv - v0);  // value columns of this tile
   const int kt_used = (Dk + 15) >> 4;     // 16-wide k-steps that hold real q/k columns
   const bool ovec_full = dv_here == BV && ((o_sn & 1) == 0) && ((reinterpret_cast<size_t>(ob + v0) & 3) == 0);
@@ -97,7 +102,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16)) {
       const char* kp = reinterpret_cast<const char*>(k_first + (rtk_i64)n0 * k_sn);
       const char* vp = reinterpret_cast<const char*>(v_first + (rtk_i64)n0 * v_sn);
       const rtk_i64 qstep = 2 * QROWS * q_sn, kstep = 2 * QROWS * k_sn, vstep = 2 * VROWS * v_sn;
-      if (n0 + C <= N) {  // a whole chunk: no row checks
+      if (n0 + C <= NS) {  // a whole chunk: no row checks
         #pragma unroll
         for (int u = 0; u < C / QROWS; ++u, qp += qstep, kp += kstep) {
           rtk_cp_async16(dq + 2 * u * QROWS * KS, qp, qbytes);
@@ -108,13 +113,13 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16)) {
       } else {
         #pragma unroll
         for (int u = 0; u < C / QROWS; ++u, qp += qstep, kp += kstep) {
-          const bool in = n0 + qrow + u * QROWS < N;
+          const bool in = n0 + qrow + u * QROWS < NS;
           rtk_cp_async16(dq + 2 * u * QROWS * KS, in ? (const void*)qp : (const void*)qb, in ? qbytes : 0);
           rtk_cp_async16(dk + 2 * u * QROWS * KS, in ? (const void*)kp : (const void*)kb, in ? qbytes : 0);
         }
         #pragma unroll
         for (int u = 0; u < C / VROWS; ++u, vp += vstep) {
-          const bool in = n0 + vrow + u * VROWS < N;
+          const bool in = n0 + vrow + u * VROWS < NS;
           rtk_cp_async16(dv + 2 * u * VROWS * VS, in ? (const void*)vp : (const void*)vb, in ? vbytes : 0);
         }
       }
@@ -122,19 +127,19 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16)) {
       for (int e = st; e < C * KMAX; e += 128) {
         const int r = e / KMAX, col = e - r * KMAX;
         const rtk_i64 n = (rtk_i64)n0 + r;
-        const bool ok = n < N && col < Dk;
+        const bool ok = n < NS && col < Dk;
         sQ[r * KS + col] = ok ? qb[n * q_sn + col] : (rtk_u16)0;
         sK[r * KS + col] = ok ? kb[n * k_sn + col] : (rtk_u16)0;
       }
       for (int e = st; e < C * BV; e += 128) {
         const int r = e / BV, col = e - r * BV;
         const rtk_i64 n = (rtk_i64)n0 + r;
-        sV[r * VS + col] = (n < N && col < dv_here) ? vb[n * v_sn + col] : (rtk_u16)0;
+        sV[r * VS + col] = (n < NS && col < dv_here) ? vb[n * v_sn + col] : (rtk_u16)0;
       }
     }
   };
 
-  const int nchunks = (N + C - 1) / C;
+  const int nchunks = (NS + C - 1) / C;
   if (!out_warp) {
     load_chunk(0, 0);
     rtk_cp_async_commit();
@@ -198,13 +203,17 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16)) {
       if (DT == RTK_F16) s_inv = s_red[4];
       const int stage = chunk & 1;
       const int n0 = chunk * C;
-      const int len = min(C, N - n0);
+      const int len = min(C, NS - n0);
       const rtk_u32 sQ_addr = rtk_smem_addr(sm + stage * L::STAGE + L::Q);
       const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
       const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
 #ifdef RTK_PROBE_NO_OUT
       if (chunk >= 0) { __syncthreads(); continue; }
 #endif
+      if (states_only) {  // first pass of the split-sequence strategy: no outputs
+        __syncthreads();
+        continue;
+      }
       float o_acc[NT][4];
       float p[8][4];  // scores of the 16 rows against key tiles 0 .. 2w+1
       #pragma unroll
@@ -355,7 +364,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16)) {
           for (int e = 0; e < 4; ++e) {
             const int r = sr0 + mt * 16 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
             s_acc[mt][nt][e] = (init_state != nullptr && r < Dk && c < dv_here)
-                                   ? init_state[((rtk_i64)bh * Dk + r) * Dv + v0 + c] : 0.f;
+                                   ? init_state[state_slot + ((rtk_i64)bh * Dk + r) * Dv + v0 + c] : 0.f;
           }
     }
     auto store_state_copy = [&]() {  // state warps only
@@ -402,7 +411,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16)) {
       begin_chunk(chunk);
       const int stage = chunk & 1;
       const int n0 = chunk * C;
-      const int len = min(C, N - n0);
+      const int len = min(C, NS - n0);
       const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
       const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
       // ---- state warps: S = gamma^len S + (K * w)^T V, w_s = gamma^(len-1-s) ----------------
@@ -456,9 +465,33 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16)) {
           #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int r = sr0 + mt * 16 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
-            if (r < Dk && c < dv_here) final_state[((rtk_i64)bh * Dk + r) * Dv + v0 + c] = s_acc[mt][nt][e];
+            if (r < Dk && c < dv_here) final_state[state_slot + ((rtk_i64)bh * Dk + r) * Dv + v0 + c] = s_acc[mt][nt][e];
           }
     }
   }
 
+}
+
+// The middle pass of the split-sequence strategy. local[z] holds segment z's own final state (its
+// pass over the segment started from zero); this turns them into the state entering each
+// segment, s_in[z] = gamma^seg_len s_in[z-1] + local[z-1] with s_in[0] the initial state (or 0),
+// and the final state gamma^last_len s_in[last] + local[last]. One thread per state element,
+// segments in order: deterministic.
+__global__ void rtk_chunk_seg_scan(const float* __restrict__ local, float* __restrict__ s_in,
+                                   const float* __restrict__ init_state, float* __restrict__ final_state,
+                                   const float* __restrict__ log_decay, rtk_i64 nseg, rtk_i64 BH,
+                                   rtk_i64 H, rtk_i64 DkDv, rtk_i64 seg_len, rtk_i64 last_len) {
+  const rtk_i64 total = BH * DkDv;
+  for (rtk_i64 e = (rtk_i64)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+       e += (rtk_i64)gridDim.x * blockDim.x) {
+    const int h = (int)((e / DkDv) % H);
+    const float lg = log_decay[h];
+    const float carry = expf(lg * (float)seg_len);
+    float st = init_state != nullptr ? init_state[e] : 0.f;
+    for (rtk_i64 z = 0; z < nseg; ++z) {
+      s_in[z * total + e] = st;
+      if (z + 1 < nseg) st = fmaf(carry, st, local[z * total + e]);
+    }
+    if (final_state != nullptr) final_state[e] = fmaf(expf(lg * (float)last_len), st, local[(nseg - 1) * total + e]);
+  }
 }

@@ -199,3 +199,42 @@ def test_kernel_never_detaches_silently(method):
     assert q.grad is not None and torch.isfinite(q.grad).all()
     with torch.no_grad():
         rtkernels.causal_linear_attention(q, k, v, 0.9, method=method)  # no grad needed: fine
+
+
+@pytest.mark.parametrize("segments", [1, 2, 3, 7])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 96), (1, 1, 4096, 128, 128), (2, 1, 65, 16, 40),
+                                   (1, 2, 777, 256, 200)], ids=lambda s: "x".join(map(str, s)))
+def test_chunk_split_sequence_strategy(shape, dtype, segments, monkeypatch):
+    from rtkernels.methods import chunk
+
+    monkeypatch.setattr(chunk, "force_segments", segments)
+    b, h, n, dk, dv = shape
+    q, k, v = _inputs(b, h, n, dk, dv, dtype, "bnhd", seed=9)
+    decay = torch.tensor([0.999999, 0.9][:h], dtype=torch.float64)
+    s0 = torch.randn(b, h, dk, dv, device="cuda") / 4
+    out, state = rtkernels.causal_linear_attention(q, k, v, decay, method="chunk", layout="bnhd",
+                                                   initial_state=s0, return_state=True)
+    ref, ref_state = reference(q, k, v, decay, layout="bnhd", initial_state=s0)
+    assert_close(out, ref, dtype, f"split {segments} {shape}", n=n)
+    assert_close(state, ref_state, dtype, f"split {segments} state")
+    for gamma in (1.0, 1e-6):
+        out = rtkernels.causal_linear_attention(q, k, v, gamma, method="chunk", layout="bnhd")
+        ref, _ = reference(q, k, v, torch.full((h,), gamma, dtype=torch.float64), layout="bnhd")
+        assert_close(out, ref, dtype, f"split {segments} gamma={gamma}", n=n)
+
+
+def test_chunk_heuristic_splits_few_heads():
+    from rtkernels.methods import chunk
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert chunk.segments_for(32 * 2, 16384, sms) > 1
+    assert chunk.segments_for(4 * 32 * 2, 4096, sms) == 1
+    assert chunk.segments_for(8, 64, sms) == 1  # too short to split
+
+
+def test_chunk_million_tokens_stay_finite():
+    q, k, v = _inputs(1, 2, 1 << 20, 64, 64, torch.bfloat16, "bhnd", seed=10)
+    for gamma in (1.0, 1e-6):
+        out = rtkernels.causal_linear_attention(q, k, v, gamma, method="chunk")
+        assert torch.isfinite(out).all(), gamma

@@ -98,4 +98,5 @@ def kernel_instances() -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for mod in KERNEL_MODULES:
         out.setdefault(mod.SOURCE, []).extend(mod.name_expression(c) for c in mod.all_configs())
+        out[mod.SOURCE].extend(getattr(mod, "EXTRA_KERNELS", ()))
     return out

@@ -80,6 +80,10 @@ def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, ctas: int = 0
     return dtype_code(dtype), kmax, bv, vec, minb
 
 
+#: Kernels of chunk.cu that take no template arguments.
+EXTRA_KERNELS = ("rtk_chunk_seg_scan",)
+
+
 def all_configs() -> list[tuple]:
     return sorted({kernel_config(dt, dk, dv, vec, ctas) for dt in (torch.float16, torch.bfloat16)
                    for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True) for ctas in (1, 2)})
@@ -112,16 +116,54 @@ def _launch_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, dev
     return name_expression(config), bv, smem_bytes(config[1], bv), 256
 
 
+#: Number of sequence segments to use, overriding the heuristic (None: heuristic). For tests and
+#: tuning; the autotuner will own this choice.
+force_segments: Optional[int] = None
+
+
+def segments_for(bh_tiles: int, n: int, sms: int) -> int:
+    """The split-sequence heuristic: with fewer CTAs than about two waves, split the sequence into
+    segments of at least 4 chunks until the grid fills the GPU."""
+    if bh_tiles >= 2 * sms:
+        return 1
+    return max(1, min(-(-2 * sms // bh_tiles), n // (4 * CHUNK_KERNEL)))
+
+
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool) -> Optional[torch.Tensor]:
+    """One fused pass, or with few (batch, head, value-tile) CTAs the split-sequence strategy:
+    a states-only pass per segment, a scan over the segment states, and the fused pass per segment
+    starting from its state."""
     b, h, n, dk = q.shape
     dv = v.shape[-1]
     q, k, v, s0, final = operands(q, k, v, initial_state, need_state)
     vec = _aligned(q) and _aligned(k) and _aligned(v)
     dev = q.device.index
-    name, bv, smem, threads = _launch_config(q.dtype, dk, dv, vec, b * h, dev)
+    bh = b * h
+    bv = kernel_config(q.dtype, dk, dv, vec)[2]
+    tiles = -(-dv // bv)
+    nseg = force_segments or segments_for(bh * tiles, n, _sm_count(dev))
+    seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
+    nseg = -(-n // seg_len)
+    name, _, smem, threads = _launch_config(q.dtype, dk, dv, vec, bh * nseg, dev)
     fn = get_function(SOURCE, name, dev, dynamic_smem=smem)
-    launch(fn, (b * h, -(-dv // bv), 1), (threads, 1, 1), fwd_args(q, k, v, out, log_decay, s0, final, scale),
-           dev, shared_mem=smem)
+    grid = (bh, tiles, nseg)
+    args = fwd_args(q, k, v, out, log_decay, s0, final, scale)
+    if nseg == 1:
+        launch(fn, grid, (threads, 1, 1), (*args, seg_len, 0), dev, shared_mem=smem)
+        return final
+    local = torch.empty(nseg, bh, dk, dv, dtype=torch.float32, device=q.device)
+    s_in = torch.empty_like(local)
+    lg = log_decay.tensor(torch.float32)
+    first = (*args[:5], 0, local.data_ptr(), *args[7:])  # no initial state, segment states out
+    launch(fn, grid, (threads, 1, 1), (*first, seg_len, 1), dev, shared_mem=smem)
+    scan_fn = get_function(SOURCE, "rtk_chunk_seg_scan", dev)
+    total = bh * dk * dv
+    launch(scan_fn, (min(-(-total // 256), 4096), 1, 1), (256, 1, 1),
+           (local.data_ptr(), s_in.data_ptr(), 0 if s0 is None else s0.data_ptr(),
+            0 if final is None else final.data_ptr(), lg.data_ptr(), nseg, bh, h, dk * dv, seg_len,
+            n - (nseg - 1) * seg_len), dev)
+    third = (*args[:5], s_in.data_ptr(), 0, *args[7:])  # each segment from its entering state
+    launch(fn, grid, (threads, 1, 1), (*third, seg_len, 0), dev, shared_mem=smem)
     return final
