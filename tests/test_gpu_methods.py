@@ -230,6 +230,7 @@ def test_chunk_heuristic_splits_few_heads():
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert chunk.segments_for(32 * 2, 16384, sms) > 1
     assert chunk.segments_for(4 * 32 * 2, 4096, sms) == 1
+    assert chunk.segments_for(2 * 32 * 2, 1024, sms) == 1
     assert chunk.segments_for(8, 64, sms) == 1  # too short to split
 
 

@@ -122,11 +122,12 @@ force_segments: Optional[int] = None
 
 
 def segments_for(bh_tiles: int, n: int, sms: int) -> int:
-    """The split-sequence heuristic: with fewer CTAs than about two waves, split the sequence into
-    segments of at least 4 chunks until the grid fills the GPU."""
-    if bh_tiles >= 2 * sms:
+    """The split-sequence heuristic: when the (batch, head, value-tile) CTAs fill at most half the
+    multiprocessors, split the sequence into segments of at least 8 chunks, up to two CTAs per
+    multiprocessor (the extra states pass costs less than the idle multiprocessors)."""
+    if 2 * bh_tiles > sms:
         return 1
-    return max(1, min(-(-2 * sms // bh_tiles), n // (4 * CHUNK_KERNEL)))
+    return max(1, min(-(-2 * sms // bh_tiles), n // (8 * CHUNK_KERNEL)))
 
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
