@@ -123,11 +123,13 @@ force_segments: Optional[int] = None
 
 def segments_for(bh_tiles: int, n: int, sms: int) -> int:
     """The split-sequence heuristic: when the (batch, head, value-tile) CTAs fill at most half the
-    multiprocessors, split the sequence into segments of at least 8 chunks, up to two CTAs per
-    multiprocessor (the extra states pass costs less than the idle multiprocessors)."""
+    multiprocessors, split the sequence into segments of at least 8 chunks, as many as fit in one
+    wave of two CTAs per multiprocessor (the extra states pass costs less than idle
+    multiprocessors; a second, partial wave costs more). Measured on an H200 at (1, 32, 16384,
+    128) bf16: 1 segment 0.95 ms, 4 segments 0.51 ms, 5 segments (a partial second wave) 0.77 ms."""
     if 2 * bh_tiles > sms:
         return 1
-    return max(1, min(-(-2 * sms // bh_tiles), n // (8 * CHUNK_KERNEL)))
+    return max(1, min(2 * sms // bh_tiles, n // (8 * CHUNK_KERNEL)))
 
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
