@@ -1,0 +1,18 @@
+"""Runs the chunk kernel (one fused pass and the split-sequence strategy) on one shape, for
+compute-sanitizer: python bench/sanitize_chunk.py B H N DK DV."""
+import sys
+import torch
+import rtkernels
+from rtkernels.methods import chunk
+
+b, h, n, dk, dv = (int(x) for x in sys.argv[1:6])
+q, k = (torch.randn(b, h, n, dk, device="cuda").bfloat16() / dk ** 0.5 for _ in range(2))
+v = torch.randn(b, h, n, dv, device="cuda").half().bfloat16()
+s0 = torch.randn(b, h, dk, dv, device="cuda")
+for segs in (1, 3):
+    chunk.force_segments = segs
+    for dt in (torch.bfloat16, torch.float16):
+        o, s = rtkernels.causal_linear_attention(q.to(dt), k.to(dt), v.to(dt), 0.99, method="chunk",
+                                                 initial_state=s0, return_state=True)
+torch.cuda.synchronize()
+print("ran", b, h, n, dk, dv, "finite:", bool(torch.isfinite(o).all()))
