@@ -6,12 +6,13 @@ import rtkernels
 from rtkernels.methods import chunk
 
 b, h, n, dk, dv = (int(x) for x in sys.argv[1:6])
+dtypes = [getattr(torch, x) for x in sys.argv[6:]] or [torch.bfloat16, torch.float16]
 q, k = (torch.randn(b, h, n, dk, device="cuda").bfloat16() / dk ** 0.5 for _ in range(2))
 v = torch.randn(b, h, n, dv, device="cuda").half().bfloat16()
 s0 = torch.randn(b, h, dk, dv, device="cuda")
 for segs in (1, 3):
     chunk.force_segments = segs
-    for dt in (torch.bfloat16, torch.float16):
+    for dt in dtypes:
         o, s = rtkernels.causal_linear_attention(q.to(dt), k.to(dt), v.to(dt), 0.99, method="chunk",
                                                  initial_state=s0, return_state=True)
 torch.cuda.synchronize()
