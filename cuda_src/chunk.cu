@@ -33,7 +33,7 @@ struct rtk_chunk_smem {
   static constexpr int STAGE = V + C * VS;
   static constexpr int S = 2 * STAGE;  // 16-bit copy of the state, KMAX x VS
   static constexpr int ELEMS = S + KMAX * VS;
-  static constexpr int BYTES = ELEMS * 2 + 32;  // + fp16 scaling: max|S| of the 4 state warps, 2^-e
+  static constexpr int BYTES = ELEMS * 2 + 32;  // + fp16 scaling: max|S| of the 4 state warps, 2 slots
 };
 
 // MINB: CTAs per SM the register budget is sized for (2: 128 registers a thread, for grids of
@@ -51,7 +51,20 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   rtk_u16* sm = reinterpret_cast<rtk_u16*>(smem_raw);
+  // fp16 only: each state warp publishes max|S| of its rows (or -1 when not finite) in slot
+  // (chunk & 1) before barrier (B); the state warps read the 4 values after (B), the output warps
+  // after the next (A), and both derive the same power of two 2^e, max|S| * 2^e <= 2^14.
   float* s_red = reinterpret_cast<float*>(smem_raw + L::ELEMS * 2);
+  auto copy_exponent = [&](int slot) -> int {
+    float m = 0.f;
+    bool fin = true;
+    for (int i = 0; i < 4; ++i) {
+      const float x = s_red[slot * 4 + i];
+      fin = fin && x >= 0.f;
+      m = fmaxf(m, x);
+    }
+    return (fin && m > 0.f) ? min(60, max(-60, 14 - (int)ceilf(log2f(m)))) : 0;
+  };
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
@@ -197,10 +210,11 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
         diag[jd][e] = dt >= 0 ? rtk_exp2(lg2 * (float)dt) * scale : -1.f;
       }
     float s_inv = 1.f;  // the state copy holds S * 2^e (fp16); s_inv = 2^-e
+    __syncthreads();    // (matches the state warps' start barrier: the first state copy)
 
     for (int chunk = 0; chunk < nchunks; ++chunk) {
       const bool v_bad = begin_chunk(chunk);
-      if (DT == RTK_F16) s_inv = s_red[4];
+      if (DT == RTK_F16) s_inv = exp2f((float)-copy_exponent((chunk + 1) & 1));
       const int stage = chunk & 1;
       const int n0 = chunk * C;
       const int len = min(C, NS - n0);
@@ -355,45 +369,39 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
     // ---- state warps: fp32 state in registers, 16-bit copy in shared memory --------------------
     const int sr0 = (warp - 4) * MT * 16;  // first state row of a state warp
     float s_acc[MT][NT][4];
-    {
+    // Where fragment element (mt, nt, e) of the state lives in a [slots, B*H, Dk, Dv] buffer, and
+    // whether it is a real (row < Dk, column < Dv) element.
+    auto state_elem = [&](int mt, int nt, int e, rtk_i64& off) -> bool {
+      const int r = sr0 + mt * 16 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
+      off = state_slot + ((rtk_i64)bh * Dk + r) * Dv + v0 + c;
+      return r < Dk && c < dv_here;
+    };
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          rtk_i64 off;
+          const bool real = state_elem(mt, nt, e, off);
+          s_acc[mt][nt][e] = (init_state != nullptr && real) ? init_state[off] : 0.f;
+        }
+    auto publish_max = [&](int slot) {  // fp16: before a barrier the output warps also pass
+      if (DT != RTK_F16) return;
+      float m = 0.f;
       #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
           #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int r = sr0 + mt * 16 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
-            s_acc[mt][nt][e] = (init_state != nullptr && r < Dk && c < dv_here)
-                                   ? init_state[state_slot + ((rtk_i64)bh * Dk + r) * Dv + v0 + c] : 0.f;
-          }
-    }
-    auto store_state_copy = [&]() {  // state warps only
-      float mul = 1.f;
-      if (DT == RTK_F16) {  // choose 2^e with max|S| * 2^e <= 2^14
-        float m = 0.f;
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          #pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(s_acc[mt][nt][e]));
-        const bool fin = m < 3.0e38f;  // false for Inf and NaN (fmaxf drops NaN operands)
-        bool all_fin = __all_sync(0xffffffffu, fin);
-        #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-        if (lane == 0) s_red[warp - 4] = all_fin ? m : -1.f;
-        asm volatile("bar.sync 1, 128;" ::: "memory");  // the 4 state warps
-        m = 0.f;
-        for (int i = 0; i < 4; ++i) {
-          const float x = s_red[i];
-          all_fin = all_fin && x >= 0.f;
-          m = fmaxf(m, x);
-        }
-        int e = 0;
-        if (all_fin && m > 0.f) e = min(60, max(-60, 14 - (int)ceilf(log2f(m))));
-        mul = exp2f((float)e);
-        if (tid == 128) s_red[4] = exp2f((float)-e);  // the output warps undo the scale
-      }
+          for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(s_acc[mt][nt][e]));
+      const bool fin = __all_sync(0xffffffffu, m < 3.0e38f);  // false for Inf and NaN anywhere
+      #pragma unroll
+      for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+      if (lane == 0) s_red[slot * 4 + warp - 4] = fin ? m : -1.f;
+    };
+    auto store_state_copy = [&](int slot) {  // after that barrier
+      const float mul = DT == RTK_F16 ? exp2f((float)copy_exponent(slot)) : 1.f;
       rtk_u16* sS = sm + L::S;
       #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -406,7 +414,9 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
                 rtk_pack2<DT>(s_acc[mt][nt][2 * hh] * mul, s_acc[mt][nt][2 * hh + 1] * mul);
           }
     };
-    store_state_copy();
+    publish_max(1);
+    __syncthreads();  // (matches the output warps' start barrier)
+    store_state_copy(1);
     for (int chunk = 0; chunk < nchunks; ++chunk) {
       begin_chunk(chunk);
       const int stage = chunk & 1;
@@ -416,7 +426,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
       const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
       // ---- state warps: S = gamma^len S + (K * w)^T V, w_s = gamma^(len-1-s) ----------------
 #ifdef RTK_PROBE_NO_STATE
-      if (chunk >= 0) { __syncthreads(); store_state_copy(); continue; }
+      if (chunk >= 0) { publish_max(chunk & 1); __syncthreads(); store_state_copy(chunk & 1); continue; }
 #endif
       const float carry = rtk_exp2(lg2 * (float)len);
       #pragma unroll
@@ -454,8 +464,9 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
           }
         }
       }
+      publish_max(chunk & 1);
       __syncthreads();  // (B) the output warps are done with the state copy, everyone with this stage
-      store_state_copy();
+      store_state_copy(chunk & 1);
     }
     if (final_state != nullptr) {
       #pragma unroll
@@ -464,8 +475,8 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
         for (int nt = 0; nt < NT; ++nt)
           #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int r = sr0 + mt * 16 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
-            if (r < Dk && c < dv_here) final_state[state_slot + ((rtk_i64)bh * Dk + r) * Dv + v0 + c] = s_acc[mt][nt][e];
+            rtk_i64 off;
+            if (state_elem(mt, nt, e, off)) final_state[off] = s_acc[mt][nt][e];
           }
     }
   }
