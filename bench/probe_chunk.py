@@ -26,6 +26,6 @@ def run(shape, probes, reps=20):
 
 for shape in [(4, 32, 4096, 128), (2, 32, 1024, 128)]:
     row = [f"{shape}"]
-    for probes in [(), ("-DRTK_CHUNK_MIN_BLOCKS=1",), ("NO_LOAD",), ("NO_STATE",), ("NO_OUT",)]:
+    for probes in [(), ("NO_LOAD",), ("NO_STATE",), ("NO_OUT",), ("NO_LOAD", "NO_OUT", "NO_STATE")]:
         row.append(f"{'+'.join(probes) or 'full'} {run(shape, probes):.3f}")
     print("  ".join(row), flush=True)
