@@ -132,12 +132,6 @@ template <> __device__ __forceinline__ rtk_u32 rtk_pack2<RTK_F16>(float lo, floa
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
-// The inverse of rtk_pack2.
-template <int DT> __device__ __forceinline__ void rtk_unpack2(rtk_u32 r, float& lo, float& hi) {
-  rtk_u16 l = (rtk_u16)(r & 0xFFFFu), h = (rtk_u16)(r >> 16);
-  lo = rtk_io<DT>::load(&l);
-  hi = rtk_io<DT>::load(&h);
-}
 // Mask of the exponent bits of a 16-bit type (all ones: Inf or NaN).
 template <int DT> struct rtk_expmask;
 template <> struct rtk_expmask<RTK_BF16> { static constexpr rtk_u32 v = 0x7F80u; };

@@ -56,9 +56,5 @@ class LogDecay:
         return self.device_values.to(dtype)
 
     @staticmethod
-    def from_host(logs: list[float], device: torch.device) -> "LogDecay":
-        return LogDecay(device, host=tuple(logs))
-
-    @staticmethod
     def from_rate_or_factor(x: float, is_rate: bool, h: int, device: torch.device) -> "LogDecay":
         return LogDecay(device, host=((-x if is_rate else math.log(x)),) * h)
