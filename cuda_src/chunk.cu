@@ -506,3 +506,486 @@ __global__ void rtk_chunk_seg_scan(const float* __restrict__ local, float* __res
     if (final_state != nullptr) final_state[e] = fmaf(expf(lg * (float)last_len), st, local[(nseg - 1) * total + e]);
   }
 }
+
+// =================================================================================================
+// rtk_chunk_fwd_f32: fp32 inputs on TF32 tensor cores (mma.sync m16n8k8), same algorithm, same
+// warp roles, same barriers and the same parameters as rtk_chunk_fwd (so the launch code, the
+// split-sequence strategy and rtk_chunk_seg_scan serve both).
+//
+// EXACT (3xTF32): every mma operand x -- q, k, v, the decayed scores P, the state copy and
+// k_s * gamma^(len-1-s) -- is split as x = hi + lo (rtk_split_tf32) and each product is formed as
+// lo*hi' + hi*lo' + hi*hi' with fp32 accumulation: about fp32 accuracy. Without EXACT: one TF32
+// mma per product (operands rounded to 10 mantissa bits): about 1e-3 relative error.
+//
+// Differences from the 16-bit kernel:
+// - Tiles stay fp32 in shared memory (cp.async copies 4 floats per 16 bytes); fragments are read
+//   with plain 32-bit loads (ldmatrix moves 16-bit elements) and split in registers. Row strides
+//   are padded so that every fragment load is conflict-free: q/k and v rows by 4 floats (stride
+//   = 4 mod 32 banks), the state copy by 8 (stride = 8 mod 32; its float2 stores are then
+//   conflict-free too). The bank of each load is noted where it is made.
+// - The state copy is fp32 (no scaling needed).
+// - Each chunk's state contribution sum_s gamma^(len-1-s) k_s^T v_s is accumulated in fresh
+//   registers and then added with one fp32 FMA, S = gamma^len S + delta: the long sum over chunks
+//   is rounded to nearest once per chunk instead of going through the tensor cores' accumulation
+//   for every token. gamma^len is computed in double precision: its rounding error compounds
+//   over the chunks.
+// - STAGES = 1 (KMAX = 256: two stages of fp32 q/k tiles do not fit in shared memory): the next
+//   chunk is loaded after barrier (B) and waited for before (A), without overlap.
+// - NaN in v: as in the 16-bit kernel, zeroed in the P V operand and put back as NaN in the
+//   outputs the causal sum reaches. Without VEC the loader threads check the values they store.
+// =================================================================================================
+
+template <int KMAX, int BV, int STAGES>
+struct rtk_chunk_f32_smem {
+  static constexpr int C = 64;
+  static constexpr int KS = KMAX + 4;  // row stride of the q and k tiles (floats), 4 mod 32
+  static constexpr int VS = BV + 4;    // row stride of the v tile, 4 mod 32
+  static constexpr int SS = BV + 8;    // row stride of the fp32 state copy, 8 mod 32
+  static constexpr int Q = 0, K = Q + C * KS, V = K + C * KS;
+  static constexpr int STAGE = V + C * VS;
+  static constexpr int S = STAGES * STAGE;  // the state copy, KMAX x SS
+  static constexpr int ELEMS = S + KMAX * SS;
+  static constexpr int BYTES = ELEMS * 4;
+};
+
+template <int KMAX, int BV, int STAGES, bool EXACT, bool VEC, int MINB>
+__global__ void __launch_bounds__(256, MINB)
+rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
+  RTK_FWD_SIZES;
+  typedef rtk_chunk_f32_smem<KMAX, BV, STAGES> L;
+  constexpr int C = L::C, KS = L::KS, VS = L::VS, SS = L::SS;
+  constexpr int NT = BV / 8;     // 8-wide n-tiles of the value columns
+  constexpr int MT = KMAX / 64;  // 16-row m-tiles of state rows per state warp (KMAX / 4 rows)
+  static_assert(BV % 16 == 0 && KMAX % 64 == 0 && (STAGES == 1 || STAGES == 2), "bad tile");
+  static_assert(KS % 32 == 4 && VS % 32 == 4 && SS % 32 == 8, "padding: see the bank notes");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  float* const sm = reinterpret_cast<float*>(smem_raw);
+  float* const sS = sm + L::S;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const bool out_warp = warp < 4;
+  const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
+  const int v0 = blockIdx.y * BV;
+  const float lgd = log_decay[h];                  // log(gamma)
+  const float lg2 = lgd * 1.4426950408889634f;     // log2(gamma)
+
+  const rtk_strides qs = {q_sb, q_sh, q_sn}, ks = {k_sb, k_sh, k_sn};
+  const rtk_strides vs = {v_sb, v_sh, v_sn}, os = {o_sb, o_sh, o_sn};
+  // Split-sequence strategy: CTA z handles tokens [z * seg_len, z * seg_len + NS) and its state
+  // enters from / leaves to slot z of the state buffers (one segment, z = 0, otherwise).
+  const rtk_i64 n_begin = (rtk_i64)blockIdx.z * seg_len;
+  const int NS = (int)min((rtk_i64)N - n_begin, seg_len);
+  const rtk_i64 state_slot = (rtk_i64)blockIdx.z * gridDim.x * Dk * Dv;
+  const float* qb = q + rtk_offset(qs, b, h, n_begin);
+  const float* kb = k + rtk_offset(ks, b, h, n_begin);
+  const float* vb = v + rtk_offset(vs, b, h, n_begin) + v0;
+  float* ob = o + rtk_offset(os, b, h, n_begin);
+  const int dv_here = min(BV, Dv - v0);  // value columns of this tile
+  const int kt_used = (Dk + 7) >> 3;      // 8-wide k-steps that hold real q/k columns
+  const bool ovec_full = dv_here == BV && ((o_sn & 1) == 0) && ((reinterpret_cast<size_t>(ob + v0) & 7) == 0);
+
+  // ---- loading one chunk into a stage: the state warps' job ------------------------------------
+  // Thread st = tid - 128 copies 16-byte pieces (4 floats) at a fixed column of rows
+  // st / PIECES + pass * ROWS.
+  constexpr int QV = KMAX / 4, VV = BV / 4;          // 16-byte pieces per q/k row and per v row
+  constexpr int QROWS = 128 / QV, VROWS = 128 / VV;  // rows one pass of the 128 loader threads covers
+  const int st = tid - 128;
+  const int qcol = (st % QV) * 4, qrow = st / QV;
+  const int vcol = (st % VV) * 4, vrow = st / VV;
+  const int qbytes = max(0, min(16, (Dk - qcol) * 4));
+  const int vbytes = max(0, min(16, (dv_here - vcol) * 4));
+  const float* q_first = qb + (rtk_i64)qrow * q_sn + (qbytes ? qcol : 0);
+  const float* k_first = kb + (rtk_i64)qrow * k_sn + (qbytes ? qcol : 0);
+  const float* v_first = vb + (rtk_i64)vrow * v_sn + (vbytes ? vcol : 0);
+  // Returns (without VEC) whether a value of v this thread stored is Inf or NaN; with VEC false
+  // (the pieces are checked after the copy completed).
+  auto load_chunk = [&](int chunk, int stage) -> bool {
+    float* sQ = sm + stage * L::STAGE + L::Q;
+    float* sK = sm + stage * L::STAGE + L::K;
+    float* sV = sm + stage * L::STAGE + L::V;
+    const int n0 = chunk * C;
+    if (VEC) {
+      const rtk_u32 dq = rtk_smem_addr(sQ + qrow * KS + qcol), dk = rtk_smem_addr(sK + qrow * KS + qcol);
+      const rtk_u32 dv = rtk_smem_addr(sV + vrow * VS + vcol);
+      const char* qp = reinterpret_cast<const char*>(q_first + (rtk_i64)n0 * q_sn);
+      const char* kp = reinterpret_cast<const char*>(k_first + (rtk_i64)n0 * k_sn);
+      const char* vp = reinterpret_cast<const char*>(v_first + (rtk_i64)n0 * v_sn);
+      const rtk_i64 qstep = 4 * QROWS * q_sn, kstep = 4 * QROWS * k_sn, vstep = 4 * VROWS * v_sn;
+      if (n0 + C <= NS) {  // a whole chunk: no row checks
+        #pragma unroll
+        for (int u = 0; u < C / QROWS; ++u, qp += qstep, kp += kstep) {
+          rtk_cp_async16(dq + 4 * u * QROWS * KS, qp, qbytes);
+          rtk_cp_async16(dk + 4 * u * QROWS * KS, kp, qbytes);
+        }
+        #pragma unroll
+        for (int u = 0; u < C / VROWS; ++u, vp += vstep) rtk_cp_async16(dv + 4 * u * VROWS * VS, vp, vbytes);
+      } else {
+        #pragma unroll
+        for (int u = 0; u < C / QROWS; ++u, qp += qstep, kp += kstep) {
+          const bool in = n0 + qrow + u * QROWS < NS;
+          rtk_cp_async16(dq + 4 * u * QROWS * KS, in ? (const void*)qp : (const void*)qb, in ? qbytes : 0);
+          rtk_cp_async16(dk + 4 * u * QROWS * KS, in ? (const void*)kp : (const void*)kb, in ? qbytes : 0);
+        }
+        #pragma unroll
+        for (int u = 0; u < C / VROWS; ++u, vp += vstep) {
+          const bool in = n0 + vrow + u * VROWS < NS;
+          rtk_cp_async16(dv + 4 * u * VROWS * VS, in ? (const void*)vp : (const void*)vb, in ? vbytes : 0);
+        }
+      }
+      return false;
+    } else {
+      #pragma unroll 4
+      for (int e = st; e < C * KMAX; e += 128) {
+        const int r = e / KMAX, col = e - r * KMAX;
+        const rtk_i64 n = (rtk_i64)n0 + r;
+        const bool ok = n < NS && col < Dk;
+        sQ[r * KS + col] = ok ? qb[n * q_sn + col] : 0.f;
+        sK[r * KS + col] = ok ? kb[n * k_sn + col] : 0.f;
+      }
+      bool bad = false;
+      #pragma unroll 4
+      for (int e = st; e < C * BV; e += 128) {
+        const int r = e / BV, col = e - r * BV;
+        const rtk_i64 n = (rtk_i64)n0 + r;
+        const float x = (n < NS && col < dv_here) ? vb[n * v_sn + col] : 0.f;
+        sV[r * VS + col] = x;
+        bad |= rtk_nonfinite(x);
+      }
+      return bad;
+    }
+  };
+
+  const int nchunks = (NS + C - 1) / C;
+  bool loaded_bad = false;  // without VEC: Inf/NaN among the v values of the last load_chunk
+  if (!out_warp) {
+    loaded_bad = load_chunk(0, 0);
+    rtk_cp_async_commit();
+  }
+
+  // Chunk prologue shared by both warp groups: (state warps) load the next chunk (two stages) or
+  // this one (one stage), wait for this one, look for non-finite v; barrier (A). Returns whether
+  // this chunk's v holds Inf/NaN.
+  auto begin_chunk = [&](int chunk) -> bool {
+    bool my_bad = false;
+    if (!out_warp) {
+      const int stage = STAGES == 2 ? (chunk & 1) : 0;
+      if (STAGES == 2) {
+        my_bad = loaded_bad;
+        if (chunk + 1 < nchunks) loaded_bad = load_chunk(chunk + 1, stage ^ 1);
+        rtk_cp_async_commit();
+        rtk_cp_async_wait<1>();
+      } else {
+        if (chunk > 0) loaded_bad = load_chunk(chunk, 0);  // after (B): everyone is done with the stage
+        my_bad = loaded_bad;
+        rtk_cp_async_commit();
+        rtk_cp_async_wait<0>();
+      }
+      if (VEC) {  // the pieces this thread copied itself
+        const float* sV = sm + stage * L::STAGE + L::V;
+        #pragma unroll
+        for (int u = 0; u < C / VROWS; ++u) {
+          const float4 x = *reinterpret_cast<const float4*>(sV + (vrow + u * VROWS) * VS + vcol);
+          my_bad |= rtk_nonfinite(x.x) | rtk_nonfinite(x.y) | rtk_nonfinite(x.z) | rtk_nonfinite(x.w);
+        }
+      }
+    }
+    return __syncthreads_or(my_bad) != 0;  // (A) tiles and state copy visible
+  };
+
+  if (out_warp) {
+    // ---- output warps: rows r0 .. r0+15 of each chunk ------------------------------------------
+    const int w = warp, r0 = 16 * warp;
+    // Decay factors, as in rtk_chunk_fwd: gamma^(8 - 2 t4 - e) for the thread's two key columns
+    // of an 8-wide tile, gamma^8 to step one tile left, gamma^(t - r0) * scale for its rows
+    // t = r0 + g (+ 8), gamma^(r0 + 1), and gamma^(t - s) * scale in the 16 x 16 diagonal block
+    // (-1 where s > t: the mask is a select).
+    const float col_f0 = rtk_exp2(lg2 * (float)(8 - 2 * t4)), col_f1 = rtk_exp2(lg2 * (float)(7 - 2 * t4));
+    const float g8 = rtk_exp2(lg2 * 8.f);
+    const float row_lo = rtk_exp2(lg2 * (float)g) * scale, row_hi = rtk_exp2(lg2 * (float)(g + 8)) * scale;
+    const float inter0 = rtk_exp2(lg2 * (float)(r0 + 1));
+    float diag[2][4];
+    #pragma unroll
+    for (int jd = 0; jd < 2; ++jd)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int dt = g + (e >> 1) * 8 - (jd * 8 + 2 * t4 + (e & 1));
+        diag[jd][e] = dt >= 0 ? rtk_exp2(lg2 * (float)dt) * scale : -1.f;
+      }
+    __syncthreads();  // (matches the state warps' start barrier: the first state copy)
+
+    for (int chunk = 0; chunk < nchunks; ++chunk) {
+      const bool v_bad = begin_chunk(chunk);
+      const int stage = STAGES == 2 ? (chunk & 1) : 0;
+      const int n0 = chunk * C;
+      const int len = min(C, NS - n0);
+      const float* sQ = sm + stage * L::STAGE + L::Q;
+      const float* sK = sm + stage * L::STAGE + L::K;
+      const float* sV = sm + stage * L::STAGE + L::V;
+      if (states_only) {  // first pass of the split-sequence strategy: no outputs
+        __syncthreads();
+        continue;
+      }
+      float o_acc[NT][4];
+      float p[8][4];  // scores of the 16 rows against key tiles 0 .. 2w+1 (8 keys each)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) o_acc[nt][e] = 0.f;
+      #pragma unroll
+      for (int j = 0; j < 8; ++j)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
+
+      // q_t S and q_t . k_s over 8-wide k-steps d0 = 8 kq, sharing the q fragments.
+      #pragma unroll 1
+      for (int kq = 0; kq < kt_used; ++kq) {
+        // A = q rows r0 + g (+8), columns d0 + t4 (+4): bank 4 g + t4 (+const), conflict-free
+        rtk_u32 ah[4], al[4];
+        {
+          const float* qa = sQ + (r0 + g) * KS + kq * 8 + t4;
+          rtk_split_tf32<EXACT>(qa[0], ah[0], al[0]);
+          rtk_split_tf32<EXACT>(qa[8 * KS], ah[1], al[1]);
+          rtk_split_tf32<EXACT>(qa[4], ah[2], al[2]);
+          rtk_split_tf32<EXACT>(qa[8 * KS + 4], ah[3], al[3]);
+        }
+        // B = state copy rows d0 + t4 (+4), column nt*8 + g: bank 8 t4 + g, conflict-free
+        const float* sb = sS + (kq * 8 + t4) * SS + g;
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          rtk_u32 bh0, bl0, bh1, bl1;
+          rtk_split_tf32<EXACT>(sb[nt * 8], bh0, bl0);
+          rtk_split_tf32<EXACT>(sb[4 * SS + nt * 8], bh1, bl1);
+          rtk_mma1688_x3<EXACT>(o_acc[nt], ah, al, bh0, bh1, bl0, bl1);
+        }
+        // B = k^T: (k = column d0 + t4 (+4), n = key 8 j + g) = k row 8 j + g: bank 4 g + t4
+        const float* kt = sK + g * KS + kq * 8 + t4;
+        #pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (j <= 2 * w + 1) {
+            rtk_u32 bh0, bl0, bh1, bl1;
+            rtk_split_tf32<EXACT>(kt[j * 8 * KS], bh0, bl0);
+            rtk_split_tf32<EXACT>(kt[j * 8 * KS + 4], bh1, bl1);
+            rtk_mma1688_x3<EXACT>(p[j], ah, al, bh0, bh1, bl0, bl1);
+          }
+        }
+      }
+
+      // gamma^(r0+1) q_t S; the keys left of the diagonal block get gamma^(r0-s): key tile j lies
+      // 8(2w-1-j) + (8 - 2 t4 - e) to the left of r0
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) o_acc[nt][e] *= inter0;
+      {
+        float step = 1.f;
+        #pragma unroll
+        for (int j = 7; j >= 0; --j) {
+          if (j < 2 * w) {
+            const float f0 = col_f0 * step, f1 = col_f1 * step;
+            p[j][0] *= f0; p[j][1] *= f1; p[j][2] *= f0; p[j][3] *= f1;
+            step *= g8;
+          }
+        }
+      }
+      bool saw_bad = false;
+      // o_acc += P[:, 8 kk ..] V[8 kk .., :] (kk a compile-time value). The score accumulator's
+      // columns are 2 t4 (+1), the A operand's t4 (+4): since the k index is summed, A column t4
+      // is taken as key 2 t4 and A column t4 + 4 as key 2 t4 + 1, so A = {c0, c2, c1, c3}, and the
+      // B rows follow: b0 = v[8 kk + 2 t4], b1 = v[8 kk + 2 t4 + 1] (bank 8 t4 + g (+4)).
+      auto pv = [&](int kk) {
+        rtk_u32 ah[4], al[4];
+        rtk_split_tf32<EXACT>(p[kk][0], ah[0], al[0]);
+        rtk_split_tf32<EXACT>(p[kk][2], ah[1], al[1]);
+        rtk_split_tf32<EXACT>(p[kk][1], ah[2], al[2]);
+        rtk_split_tf32<EXACT>(p[kk][3], ah[3], al[3]);
+        const float* vr = sV + (kk * 8 + 2 * t4) * VS + g;
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          float x0 = vr[nt * 8], x1 = vr[VS + nt * 8];
+          if (v_bad) {  // rare: zero Inf/NaN in the operand, remember that this warp saw one
+            const bool b0 = rtk_nonfinite(x0), b1 = rtk_nonfinite(x1);
+            saw_bad |= b0 | b1;
+            x0 = b0 ? 0.f : x0;
+            x1 = b1 ? 0.f : x1;
+          }
+          rtk_u32 bh0, bl0, bh1, bl1;
+          rtk_split_tf32<EXACT>(x0, bh0, bl0);
+          rtk_split_tf32<EXACT>(x1, bh1, bl1);
+          rtk_mma1688_x3<EXACT>(o_acc[nt], ah, al, bh0, bh1, bl0, bl1);
+        }
+      };
+      #pragma unroll
+      for (int kk = 0; kk < 6; ++kk)
+        if (kk < 2 * w) pv(kk);
+      // rows: gamma^(t - r0) * scale
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        o_acc[nt][0] *= row_lo; o_acc[nt][1] *= row_lo;
+        o_acc[nt][2] *= row_hi; o_acc[nt][3] *= row_hi;
+      }
+      // the diagonal block (key tiles 2w, 2w+1): gamma^(t-s) * scale for s <= t, a select (not a
+      // product) above it; tiles picked with compile-time indices so p stays in registers
+      #pragma unroll
+      for (int kw = 0; kw < 4; ++kw) {
+        if (kw == w) {
+          #pragma unroll
+          for (int jd = 0; jd < 2; ++jd) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float& x = p[2 * kw + jd][e];
+              x = diag[jd][e] >= 0.f ? x * diag[jd][e] : 0.f;
+            }
+            pv(2 * kw + jd);
+          }
+        }
+      }
+
+      if (v_bad && __any_sync(0xffffffffu, saw_bad)) {
+        // rare: mark the outputs a non-finite v_s reaches (rows t >= s of the same column)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int t = r0 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
+            bool hit = false;
+            for (int s2 = 0; s2 <= t; ++s2) hit |= rtk_nonfinite(sV[s2 * VS + c]);
+            if (hit) o_acc[nt][e] = __int_as_float(0x7fc00000);
+          }
+      }
+
+      // store this warp's output rows (the scale is already in the row and diagonal factors)
+      #pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int t = r0 + g + hh * 8;
+        if (t < len) {
+          float* orow = ob + ((rtk_i64)n0 + t) * o_sn + v0 + 2 * t4;
+          if (ovec_full) {  // the usual case: whole tile, 8-byte aligned pairs
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              float2 pair;
+              pair.x = o_acc[nt][2 * hh];
+              pair.y = o_acc[nt][2 * hh + 1];
+              *reinterpret_cast<float2*>(orow + nt * 8) = pair;
+            }
+          } else {
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              const int c = nt * 8 + 2 * t4;
+              if (c < dv_here) orow[nt * 8] = o_acc[nt][2 * hh];
+              if (c + 1 < dv_here) orow[nt * 8 + 1] = o_acc[nt][2 * hh + 1];
+            }
+          }
+        }
+      }
+      __syncthreads();  // (B) done with the state copy and with this stage
+    }
+  } else {
+    // ---- state warps: fp32 state in registers (rows sr0 .. sr0 + KMAX/4 - 1), fp32 copy in smem
+    const int sr0 = (warp - 4) * MT * 16;
+    float s_acc[MT][NT][4];
+    // Where fragment element (mt, nt, e) of the state lives in a [slots, B*H, Dk, Dv] buffer, and
+    // whether it is a real (row < Dk, column < Dv) element.
+    auto state_elem = [&](int mt, int nt, int e, rtk_i64& off) -> bool {
+      const int r = sr0 + mt * 16 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
+      off = state_slot + ((rtk_i64)bh * Dk + r) * Dv + v0 + c;
+      return r < Dk && c < dv_here;
+    };
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          rtk_i64 off;
+          const bool real = state_elem(mt, nt, e, off);
+          s_acc[mt][nt][e] = (init_state != nullptr && real) ? init_state[off] : 0.f;
+        }
+    // float2 stores at row r, columns c, c+1: bank 8 g + 2 t4 (+1) per half warp, conflict-free
+    auto store_state_copy = [&]() {
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          #pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = sr0 + mt * 16 + g + hh * 8, c = nt * 8 + 2 * t4;
+            float2 pair;
+            pair.x = s_acc[mt][nt][2 * hh];
+            pair.y = s_acc[mt][nt][2 * hh + 1];
+            *reinterpret_cast<float2*>(sS + r * SS + c) = pair;
+          }
+    };
+    // gamma^C of a whole chunk in double precision, rounded once
+    const float carry_full = (float)exp((double)lgd * (double)C);
+    __syncthreads();  // (matches the output warps' start barrier)
+    store_state_copy();
+    for (int chunk = 0; chunk < nchunks; ++chunk) {
+      begin_chunk(chunk);
+      const int stage = STAGES == 2 ? (chunk & 1) : 0;
+      const int n0 = chunk * C;
+      const int len = min(C, NS - n0);
+      const float* sK = sm + stage * L::STAGE + L::K;
+      const float* sV = sm + stage * L::STAGE + L::V;
+      // delta = (K * w)^T V, w_s = gamma^(len-1-s), over 8-token k-steps s0 = 8 kk
+      float d_acc[MT][NT][4];
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) d_acc[mt][nt][e] = 0.f;
+      #pragma unroll 1
+      for (int kk = 0; kk * 8 < len; ++kk) {
+        const int sa = kk * 8 + t4, sb = sa + 4;  // the thread's tokens (A columns t4, t4 + 4)
+        const float wa = sa < len ? rtk_exp2(lg2 * (float)(len - 1 - sa)) : 0.f;
+        const float wb = sb < len ? rtk_exp2(lg2 * (float)(len - 1 - sb)) : 0.f;
+        // A = (K w)^T: (row = state row sr0 + 16 mt + g (+8), col = token sa / sb)
+        //   = k[token][state row]: bank 4 t4 + g (+const), conflict-free
+        rtk_u32 ah[MT][4], al[MT][4];
+        const float* ka = sK + sa * KS + sr0 + g;
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          rtk_split_tf32<EXACT>(ka[mt * 16] * wa, ah[mt][0], al[mt][0]);
+          rtk_split_tf32<EXACT>(ka[mt * 16 + 8] * wa, ah[mt][1], al[mt][1]);
+          rtk_split_tf32<EXACT>(ka[4 * KS + mt * 16] * wb, ah[mt][2], al[mt][2]);
+          rtk_split_tf32<EXACT>(ka[4 * KS + mt * 16 + 8] * wb, ah[mt][3], al[mt][3]);
+        }
+        // B = v rows sa, sb, column nt*8 + g: bank 4 t4 + g, conflict-free
+        const float* vr = sV + sa * VS + g;
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          rtk_u32 bh0, bl0, bh1, bl1;
+          rtk_split_tf32<EXACT>(vr[nt * 8], bh0, bl0);
+          rtk_split_tf32<EXACT>(vr[4 * VS + nt * 8], bh1, bl1);
+          #pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            if (sr0 + mt * 16 < Dk)  // m-tiles wholly past Dk stay zero
+              rtk_mma1688_x3<EXACT>(d_acc[mt][nt], ah[mt], al[mt], bh0, bh1, bl0, bl1);
+        }
+      }
+      // S = gamma^len S + delta, one rounding per element and chunk
+      const float carry = len == C ? carry_full : (float)exp((double)lgd * (double)len);
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) s_acc[mt][nt][e] = fmaf(s_acc[mt][nt][e], carry, d_acc[mt][nt][e]);
+      __syncthreads();  // (B) the output warps are done with the state copy, everyone with this stage
+      store_state_copy();
+    }
+    if (final_state != nullptr) {
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            rtk_i64 off;
+            if (state_elem(mt, nt, e, off)) final_state[off] = s_acc[mt][nt][e];
+          }
+    }
+  }
+}

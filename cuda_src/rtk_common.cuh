@@ -159,3 +159,46 @@ __device__ __forceinline__ float rtk_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+
+// ---------------------------------------------------------------------------------------------
+// fp32 on tensor cores: TF32 mma.sync m16n8k8 and the 3xTF32 split (sm_80+).
+//
+// Fragments of mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32, g = lane >> 2, t4 = lane & 3:
+//   A 16x8 (row, col): a0 (g, t4)   a1 (g+8, t4)   a2 (g, t4+4)   a3 (g+8, t4+4)
+//   B 8x8  (k, n):     b0 (t4, g)   b1 (t4+4, g)
+//   C/D 16x8 (row, col): c0 (g, 2t4)  c1 (g, 2t4+1)  c2 (g+8, 2t4)  c3 (g+8, 2t4+1)
+
+// fp32 -> tf32 (10 mantissa bits), round to nearest, ties away; the low 13 bits become zero.
+__device__ __forceinline__ rtk_u32 rtk_tf32(float x) {
+  rtk_u32 r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+}
+// x = hi + lo: hi = tf32(x), lo = tf32(x - hi) (x - hi is exact in fp32). hi * hi' + hi * lo' +
+// lo * hi' then carries about 21 bits of every product (the lo * lo' term, 2^-22 relative, is
+// dropped). Without EXACT only hi is formed (lo = 0 and nothing is computed for it).
+template <bool EXACT> __device__ __forceinline__ void rtk_split_tf32(float x, rtk_u32& hi, rtk_u32& lo) {
+  hi = rtk_tf32(x);
+  lo = EXACT ? rtk_tf32(x - __uint_as_float(hi)) : 0u;
+}
+// D += A (16x8, row) * B (8x8, col), tf32 operands, fp32 accumulators.
+__device__ __forceinline__ void rtk_mma1688_tf32(float (&d)[4], const rtk_u32 (&a)[4], rtk_u32 b0, rtk_u32 b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// D += A * B from split operands: EXACT (3xTF32) adds the two small cross terms first, then
+// hi * hi; otherwise the one TF32 product hi * hi.
+template <bool EXACT>
+__device__ __forceinline__ void rtk_mma1688_x3(float (&d)[4], const rtk_u32 (&ah)[4], const rtk_u32 (&al)[4],
+                                               rtk_u32 bh0, rtk_u32 bh1, rtk_u32 bl0, rtk_u32 bl1) {
+  if (EXACT) {
+    rtk_mma1688_tf32(d, al, bh0, bh1);
+    rtk_mma1688_tf32(d, ah, bl0, bl1);
+  }
+  rtk_mma1688_tf32(d, ah, bh0, bh1);
+}
+// True for fp32 Inf and NaN (exponent bits all ones).
+__device__ __forceinline__ bool rtk_nonfinite(float x) {
+  return (__float_as_uint(x) & 0x7F800000u) == 0x7F800000u;
+}

@@ -21,6 +21,8 @@ LAYOUTS = {"bhnd": "[B, H, N, D]", "bnhd": "[B, N, H, D]"}
 METHOD_NAMES = (*METHODS, "auto")
 #: Accepted input dtypes.
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+#: Accepted ``fp32_precision`` values (None follows torch.get_float32_matmul_precision()).
+FP32_PRECISIONS = ("exact", "tf32")
 
 Array = Any  # a torch.Tensor or an object with __cuda_array_interface__ (e.g. a CuPy array)
 
@@ -163,10 +165,24 @@ def _check_state(initial_state: Any, q: torch.Tensor, v: torch.Tensor) -> Option
     return s
 
 
+def _check_fp32_precision(value: Any) -> str:
+    """"exact" or "tf32"; None follows torch's float32 matmul precision ("highest" -> "exact",
+    "high" and "medium" -> "tf32")."""
+    if value is None:
+        return "exact" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    if not isinstance(value, str):
+        raise TypeError(f"fp32_precision must be None or a string, 'exact' or 'tf32'; "
+                        f"got {type(value).__name__}")
+    if value not in FP32_PRECISIONS:
+        raise ValueError(f"fp32_precision must be None, 'exact' or 'tf32', got {value!r}")
+    return value
+
+
 def causal_linear_attention(
     q: Array, k: Array, v: Array, decay: Union[None, float, Array] = None, *,
     decay_rate: Union[None, float, Array] = None, scale: float = 1.0, method: str = "auto",
     layout: str = "bhnd", initial_state: Optional[Array] = None, return_state: bool = False,
+    fp32_precision: Optional[str] = None,
 ) -> Any:
     r"""Exponentially decaying causal linear attention.
 
@@ -190,6 +206,15 @@ def causal_linear_attention(
         initial_state: optional ``[B, H, Dk, Dv]`` state to continue from (float32; float64 for
             float64 inputs), e.g. the final state of the previous piece of a sequence.
         return_state: also return the final state ``S_N`` (float32; float64 for float64 inputs).
+        fp32_precision: how float32 inputs are multiplied where a CUDA kernel runs them on
+            tensor cores (the ``chunk`` kernel): ``"exact"`` splits every operand x into two TF32
+            numbers, hi = tf32(x) and lo = tf32(x - hi), and forms each product from three TF32
+            products (3xTF32): fp32 accuracy (the tests require a relative error <= 1e-5).
+            ``"tf32"`` rounds the operands to TF32 (10 mantissa bits) and uses one product:
+            faster, relative error about 1e-3. ``None`` (default) follows
+            ``torch.get_float32_matmul_precision()``: ``"highest"`` (torch's default) gives
+            ``"exact"``, ``"high"`` and ``"medium"`` give ``"tf32"``. Other dtypes, the torch
+            paths and the other kernels (fp32 FMAs) ignore it.
 
     Returns:
         The output ``[B, H, N, Dv]`` (or ``[B, N, H, Dv]``) in the input dtype, contiguous in the
@@ -215,6 +240,7 @@ def causal_linear_attention(
         tname = tp.__name__ if tp.__module__ == "builtins" else f"{tp.__module__}.{tp.__qualname__}"
         raise TypeError(f"return_state must be a bool, got {tname}")
     return_state = bool(return_state)
+    fp32_precision = _check_fp32_precision(fp32_precision)
     b, h, n, _ = qt.shape
     dv = vt.shape[3]
     log_decay = _log_decay(decay, decay_rate, h, qt.device)
@@ -243,7 +269,8 @@ def causal_linear_attention(
                 raise NotImplementedError(
                     f"method={name!r} runs a CUDA kernel that has no backward yet, and an input requires "
                     f"grad; use method='auto' (a differentiable torch path) or detach the inputs")
-        state = run_method(name, qt, kt, vt, log_decay, scale, out_view, s0, return_state, torch_only)
+        state = run_method(name, qt, kt, vt, log_decay, scale, out_view, s0, return_state, torch_only,
+                           fp32_precision)
     if kind == "cupy":
         import cupy
 

@@ -192,6 +192,19 @@ CASES = [
     case("return-state-int", TypeError, r"^return_state must be a bool, got int$", return_state=1),
     case("return-state-str", TypeError, r"^return_state must be a bool, got str$", return_state="yes"),
     case("return-state-none", TypeError, r"^return_state must be a bool, got NoneType$", return_state=None),
+    # ---- fp32_precision
+    case("fp32-precision-torch-name", ValueError, r"^fp32_precision must be None, 'exact' or 'tf32', got 'highest'$",
+         fp32_precision="highest"),
+    case("fp32-precision-upper-case", ValueError, r"^fp32_precision must be None, 'exact' or 'tf32', got 'TF32'$",
+         fp32_precision="TF32"),
+    case("fp32-precision-empty", ValueError, r"^fp32_precision must be None, 'exact' or 'tf32', got ''$",
+         fp32_precision=""),
+    case("fp32-precision-int", TypeError, r"^fp32_precision must be None or a string, 'exact' or 'tf32'; got int$",
+         fp32_precision=3),
+    case("fp32-precision-bool", TypeError, r"^fp32_precision must be None or a string, .*; got bool$",
+         fp32_precision=True),
+    case("fp32-precision-dtype", TypeError, r"^fp32_precision must be None or a string, .*; got dtype$",
+         fp32_precision=torch.float32),
 ]
 
 
@@ -211,6 +224,9 @@ def test_good_arguments_reach_the_computation():
              return_state=True, scale=2, method="scan")
     with pytest.raises(ComputationStarted):
         call(decay_rate=per_head(0.0, 1.0, 30.0, dtype=torch.float32), initial_state=randn(B, H, DK, DV).double())
+    for precision in (None, "exact", "tf32"):
+        with pytest.raises(ComputationStarted):
+            call(fp32_precision=precision)
 
 
 @pytest.mark.parametrize("changes, exc, match", [
@@ -219,6 +235,8 @@ def test_good_arguments_reach_the_computation():
     case("state-dk-dv-swapped", ValueError, STATE_SHAPE + r"\(2, 3, 6, 4\)$",
          initial_state=randn(B, H, DV, DK), return_state=True),
     case("k-seq", ValueError, "^k " + sizes(0) + r"\(2, 3, 1\)", k=randn(B, H, 1, DK)),
+    case("fp32-precision", ValueError, r"^fp32_precision must be None, 'exact' or 'tf32', got 'fast'$",
+         fp32_precision="fast"),
 ])
 def test_checks_come_before_the_empty_shortcut(changes, exc, match):
     """An empty sequence (N = 0) skips the computation, not the checks."""

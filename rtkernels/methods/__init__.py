@@ -33,6 +33,8 @@ class Method:
     torch_forward: TorchForward
     kernel_forward: Optional[KernelForward] = None
     kernel_supports: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None
+    #: Whether ``kernel_forward`` takes the ``fp32_precision`` keyword (its fp32 kernel has modes).
+    fp32_modes: bool = False
 
     def uses_kernel(self, q: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether a call with these inputs runs this method's CUDA kernel."""
@@ -51,7 +53,7 @@ METHODS: dict[str, Method] = {
     "scan": Method("scan", "O(N Dk Dv) work in N sequential steps, O(N D + Dk Dv) memory",
                    scan.torch_forward, scan.kernel_forward, scan.kernel_supports),
     "chunk": Method("chunk", "O(N C (Dk+Dv) + N Dk Dv) work, O(N D + N Dk Dv / C) memory",
-                    chunk.torch_forward, chunk.kernel_forward, chunk.kernel_supports),
+                    chunk.torch_forward, chunk.kernel_forward, chunk.kernel_supports, fp32_modes=True),
 }
 
 _warned_no_cupy = False
@@ -71,8 +73,9 @@ def _kernels_or_warn(device: torch.device) -> bool:
 
 def auto_method(q: torch.Tensor, v: torch.Tensor) -> str:
     """The method ``method="auto"`` picks until the autotuner exists: the tensor-core ``chunk``
-    kernel where it runs (CUDA, fp16/bf16, Dk and Dv <= 256), else the ``scan`` kernel where it
-    runs (fp32), else the batched torch ``chunk`` path."""
+    kernel where it runs (CUDA, fp32/fp16/bf16, Dk and Dv <= 256, and for fp32 shared memory
+    enough for its tiles), else the ``scan`` kernel where it runs, else the batched torch
+    ``chunk`` path."""
     if METHODS["chunk"].uses_kernel(q, v):
         return "chunk"
     return "scan" if METHODS["scan"].uses_kernel(q, v) else "chunk"
@@ -80,11 +83,15 @@ def auto_method(q: torch.Tensor, v: torch.Tensor) -> str:
 
 def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
-               need_state: bool, torch_only: bool = False) -> Optional[torch.Tensor]:
+               need_state: bool, torch_only: bool = False, fp32_precision: str = "exact") -> Optional[torch.Tensor]:
     """Compute into ``out`` (a ``[B, H, N, Dv]`` view) with method ``name`` (its torch path when
-    ``torch_only``); return the final state when ``need_state``."""
+    ``torch_only``); return the final state when ``need_state``. ``fp32_precision`` ("exact" or
+    "tf32") reaches the kernels with fp32 modes (``chunk``); the others ignore it."""
     m = METHODS[name]
     if not torch_only and m.uses_kernel(q, v):
+        if m.fp32_modes:
+            return m.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state,
+                                    fp32_precision=fp32_precision)
         return m.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state)
     return run_torch_path(m.torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)
 
