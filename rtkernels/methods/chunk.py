@@ -18,7 +18,7 @@ update the state. Memory beyond inputs and output: none.
 fp32 inputs run ``rtk_chunk_fwd_f32`` in the same file: the same algorithm and warp roles on TF32
 tensor cores (mma.sync m16n8k8, fp32 tiles in shared memory). ``fp32_precision="exact"`` splits
 every operand x into hi = tf32(x) and lo = tf32(x - hi) and forms each product as
-hi*lo' + lo*hi' + hi*hi' (3xTF32: about fp32 accuracy, relative error ~1e-6); ``"tf32"`` uses
+hi*lo' + lo*hi' + hi*hi' (3xTF32: about fp32 accuracy); ``"tf32"`` uses
 one TF32 product (relative error ~1e-3, faster). fp64 inputs run the torch path.
 """
 
