@@ -24,6 +24,10 @@
 // The state update uses v as it is, so later chunks see the NaN through S.
 #include "rtk_common.cuh"
 
+#ifndef RTK_KUNROLL  // unrolling of the output warps' k loop (experiment knob)
+#define RTK_KUNROLL 1
+#endif
+
 template <int KMAX, int BV>
 struct rtk_chunk_smem {
   static constexpr int C = 64;
@@ -240,8 +244,9 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
         for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
 
       // q_t S and q_t . k_s, sharing the q fragments
-      #pragma unroll 1
-      for (int kstep = 0; kstep < kt_used; ++kstep) {
+      #pragma unroll RTK_KUNROLL
+      for (int kstep = 0; kstep < KMAX / 16; ++kstep) {
+        if (kstep >= kt_used) break;
         rtk_u32 a[4];
         rtk_ldsm_x4(a, sQ_addr + 2 * ((r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * KS + kstep * 16 + (lane >> 4) * 8));
         #pragma unroll
