@@ -27,6 +27,7 @@ from ..decay import LogDecay
 import torch.nn.functional as F
 
 import functools
+import os
 
 from ..runtime import dtype_code, get_function, launch
 from ._launch import fwd_args, operands
@@ -71,13 +72,16 @@ def kernel_supports(q: torch.Tensor, v: torch.Tensor) -> bool:
     return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= MAX_DIM and v.shape[-1] <= MAX_DIM
 
 
-def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, ctas: int = 0, sms: int = 1) -> tuple:
-    """Template arguments (DT, KMAX, BV, VEC, MINB) of ``rtk_chunk_fwd`` for a grid of ``ctas``
-    CTAs on a GPU with ``sms`` multiprocessors."""
+def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, ctas: int = 0, sms: int = 1,
+                  wgmma: bool = False) -> tuple:
+    """Template arguments (DT, KMAX, BV, VEC, MINB, WG) of ``rtk_chunk_fwd`` for a grid of ``ctas``
+    CTAs on a GPU with ``sms`` multiprocessors; ``wgmma``: the GPU runs sm_90a code (Hopper) and
+    the wgmma output warpgroup may be used (Dk <= 128)."""
     kmax = 64 if dk <= 64 else 128 if dk <= 128 else 256
-    bv = 32 if kmax == 256 or dv <= 32 else 64
-    minb = 1 if ctas <= sms else 2
-    return dtype_code(dtype), kmax, bv, vec, minb
+    wg = wgmma and kmax <= 128
+    bv = force_bv or (64 if wg else 32 if kmax == 256 or dv <= 32 else 64)
+    minb = 1 if ctas <= sms or bv > 64 else 2
+    return dtype_code(dtype), kmax, bv, vec, minb, wg
 
 
 #: Kernels of chunk.cu that take no template arguments.
@@ -85,17 +89,20 @@ EXTRA_KERNELS = ("rtk_chunk_seg_scan",)
 
 
 def all_configs() -> list[tuple]:
-    return sorted({kernel_config(dt, dk, dv, vec, ctas) for dt in (torch.float16, torch.bfloat16)
-                   for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True) for ctas in (1, 2)})
+    return sorted({kernel_config(dt, dk, dv, vec, ctas, 1, wg) for dt in (torch.float16, torch.bfloat16)
+                   for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True) for ctas in (1, 2)
+                   for wg in (False, True)})
 
 
 def name_expression(config: tuple) -> str:
     return "rtk_chunk_fwd<" + ", ".join(str(c).lower() for c in config) + ">"
 
 
-def smem_bytes(kmax: int, bv: int) -> int:
+def smem_bytes(kmax: int, bv: int, wg: bool = False) -> int:
     """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in chunk.cu)."""
     c = CHUNK_KERNEL
+    if wg:  # 128-byte-swizzled tiles without padding, + slack to align the base to 1024 bytes
+        return 2 * (2 * (2 * c * kmax + c * bv) + kmax * bv) + 32 + 1024
     return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + kmax * (bv + 8)) + 32
 
 
@@ -109,16 +116,40 @@ def _sm_count(dev: int) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
+@functools.lru_cache(maxsize=None)
+def _wgmma_ok(dev: int) -> bool:
+    """Whether the wgmma kernel may run on device ``dev``: compute capability 9.0 exactly (sm_90a
+    code runs on no other), unless RTKERNELS_NO_WGMMA=1 or ``force_wgmma`` says otherwise."""
+    if force_wgmma is not None:
+        return force_wgmma
+    return torch.cuda.get_device_capability(dev) == (9, 0) and os.environ.get("RTKERNELS_NO_WGMMA") != "1"
+
+
+#: Compiler options of the wgmma instances (Hopper-specific code).
+WGMMA_OPTIONS = ("-arch=sm_90a",)
+
+
 @functools.lru_cache(maxsize=1024)
-def _launch_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, dev: int) -> tuple[str, int, int, int]:
-    bv = kernel_config(dtype, dk, dv, vec)[2]
-    config = kernel_config(dtype, dk, dv, vec, bh * -(-dv // bv), _sm_count(dev))
-    return name_expression(config), bv, smem_bytes(config[1], bv), 256
+def _launch_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, dev: int,
+                   _key: tuple = ()) -> tuple[str, int, int, int, tuple]:
+    """(name expression, BV, dynamic shared memory, threads, compiler options) of a launch."""
+    wg = _wgmma_ok(dev)
+    bv = kernel_config(dtype, dk, dv, vec, wgmma=wg)[2]
+    config = kernel_config(dtype, dk, dv, vec, bh * -(-dv // bv), _sm_count(dev), wg)
+    return name_expression(config), bv, smem_bytes(config[1], bv, config[5]), 256, WGMMA_OPTIONS if config[5] else ()
 
 
 #: Number of sequence segments to use, overriding the heuristic (None: heuristic). For tests and
 #: tuning; the autotuner will own this choice.
 force_segments: Optional[int] = None
+#: Overrides for tests and tuning: the wgmma kernel on or off (None: by device), the value-tile
+#: width BV (None: by shape).
+force_wgmma: Optional[bool] = None
+force_bv: Optional[int] = None
+
+
+def _overrides() -> tuple:
+    return (force_wgmma, force_bv)
 
 
 def segments_for(bh_tiles: int, n: int, sms: int) -> int:
@@ -144,13 +175,13 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     vec = _aligned(q) and _aligned(k) and _aligned(v)
     dev = q.device.index
     bh = b * h
-    bv = kernel_config(q.dtype, dk, dv, vec)[2]
+    bv = kernel_config(q.dtype, dk, dv, vec, wgmma=_wgmma_ok(dev))[2]
     tiles = -(-dv // bv)
     nseg = force_segments or segments_for(bh * tiles, n, _sm_count(dev))
     seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
     nseg = -(-n // seg_len)
-    name, _, smem, threads = _launch_config(q.dtype, dk, dv, vec, bh * nseg, dev)
-    fn = get_function(SOURCE, name, dev, dynamic_smem=smem)
+    name, _, smem, threads, opts = _launch_config(q.dtype, dk, dv, vec, bh * nseg, dev, _overrides())
+    fn = get_function(SOURCE, name, dev, extra_options=opts, dynamic_smem=smem)
     grid = (bh, tiles, nseg)
     args = fwd_args(q, k, v, out, log_decay, s0, final, scale)
     if nseg == 1:
