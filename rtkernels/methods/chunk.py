@@ -117,12 +117,14 @@ def _sm_count(dev: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _is_sm90(dev: int) -> bool:
+    return torch.cuda.get_device_capability(dev) == (9, 0) and os.environ.get("RTKERNELS_NO_WGMMA") != "1"
+
+
 def _wgmma_ok(dev: int) -> bool:
     """Whether the wgmma kernel may run on device ``dev``: compute capability 9.0 exactly (sm_90a
     code runs on no other), unless RTKERNELS_NO_WGMMA=1 or ``force_wgmma`` says otherwise."""
-    if force_wgmma is not None:
-        return force_wgmma
-    return torch.cuda.get_device_capability(dev) == (9, 0) and os.environ.get("RTKERNELS_NO_WGMMA") != "1"
+    return _is_sm90(dev) if force_wgmma is None else force_wgmma
 
 
 #: Compiler options of the wgmma instances (Hopper-specific code).
