@@ -45,7 +45,7 @@ def run(shape, variant, reps=20):
     ld = LogDecay(q.device, host=tuple(math.log(0.99) for _ in range(H)))
     opts, chunk.force_wgmma, chunk.force_bv = parse(variant)
     try:
-        name, bv, smem, threads, base_opts = chunk._launch_config(q.dtype, D, D, True, B * H, 0, chunk._overrides())
+        name, bv, smem, threads, base_opts = chunk._launch_config(q.dtype, D, D, True, B * H, 0, N)
     finally:
         chunk.force_wgmma = chunk.force_bv = None
     fn = get_function(chunk.SOURCE, name, 0, extra_options=base_opts + opts, dynamic_smem=smem)

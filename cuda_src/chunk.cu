@@ -25,14 +25,10 @@
 #include "rtk_common.cuh"
 
 // wgmma descriptors of MN-major operands (v and the state copy, [k][n] with n contiguous): the
-// byte offset between 64-column regions and between 8-row groups.
-#ifndef RTK_WG_MN_SWAP
+// leading byte offset is the step between 64-column regions, the stride byte offset the step
+// between 8-row groups (checked on an H200; the swapped reading faults).
 #define RTK_MN_LBO(region) (region)
 #define RTK_MN_SBO(region) 1024
-#else
-#define RTK_MN_LBO(region) 1024
-#define RTK_MN_SBO(region) (region)
-#endif
 
 #ifndef RTK_KUNROLL  // unrolling of the output warps' k loop (experiment knob)
 #define RTK_KUNROLL 1
@@ -240,15 +236,6 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
         const int dt = g + (e >> 1) * 8 - (jd * 8 + 2 * t4 + (e & 1));
         diag[jd][e] = dt >= 0 ? rtk_exp2(lg2 * (float)dt) * scale : -1.f;
       }
-    // WG: gamma^(r0 - s) for the thread's key columns s left of the diagonal block (tile j < 2w)
-    float wg_col[8][2];
-    #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      #pragma unroll
-      for (int b2 = 0; b2 < 2; ++b2) {
-        const int dist = r0 - (8 * j + 2 * t4 + b2);
-        wg_col[j][b2] = (WG && dist > 0) ? rtk_exp2(lg2 * (float)dist) : 1.f;
-      }
     float s_inv = 1.f;  // the state copy holds S * 2^e (fp16); s_inv = 2^-e
     __syncthreads();    // (matches the state warps' start barrier: the first state copy)
 
@@ -296,35 +283,39 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
       };
       if constexpr (WG) {
         // q k^T for all 64 x 64 pairs and q S, both from shared memory, as two wgmma groups
+        // descriptors: a base per operand, plus the byte offset of each 16-wide k step / 16-row
+        // group (>> 4: the start-address field counts 16-byte units, and never overflows here)
         float (&pa)[32] = reinterpret_cast<float (&)[32]>(p);
+        const unsigned long long dq = rtk_wg_desc(sQ_addr, 16, 1024), dk = rtk_wg_desc(sK_addr, 16, 1024);
+        const unsigned long long ds = rtk_wg_desc(sS_addr, RTK_MN_LBO(KMAX * 128), RTK_MN_SBO(KMAX * 128));
+        auto kmaj = [](int ks) { return (rtk_u32)(((ks >> 2) * (C * 128) + (ks & 3) * 32) >> 4); };
         rtk_wg_fence();
         #pragma unroll
-        for (int ks = 0; ks < KMAX / 16; ++ks) {
-          const rtk_u32 off = (ks >> 2) * (C * 128) + (ks & 3) * 32;  // 64-column region, 16 columns in it
-          rtk_wgmma_ss<DT, 0>(pa, rtk_wg_desc(sQ_addr + off, 16, 1024), rtk_wg_desc(sK_addr + off, 16, 1024), ks);
-        }
+        for (int ks = 0; ks < KMAX / 16; ++ks) rtk_wgmma_ss<DT, 0>(pa, rtk_desc_at(dq, kmaj(ks)), rtk_desc_at(dk, kmaj(ks)), ks);
         rtk_wg_commit();
         #pragma unroll
         for (int nb = 0; nb < BV / 64; ++nb) {
           float (&oa)[32] = reinterpret_cast<float (&)[32]>(o_acc[8 * nb]);
           #pragma unroll
           for (int ks = 0; ks < KMAX / 16; ++ks)
-            rtk_wgmma_ss<DT, 1>(oa, rtk_wg_desc(sQ_addr + (ks >> 2) * (C * 128) + (ks & 3) * 32, 16, 1024),
-                                rtk_wg_desc(sS_addr + nb * (KMAX * 128) + ks * 2048, RTK_MN_LBO(KMAX * 128), RTK_MN_SBO(KMAX * 128)), ks);
+            rtk_wgmma_ss<DT, 1>(oa, rtk_desc_at(dq, kmaj(ks)), rtk_desc_at(ds, (nb * (KMAX * 128) + ks * 2048) >> 4), ks);
         }
         rtk_wg_commit();
         rtk_wg_wait<1>();
         rtk_wg_pin(pa);
         // P: gamma^(t-s) * scale for s <= t (left of the diagonal block as row factor x column
         // factor, inside it directly), 0 above the diagonal (a select: q.k may be Inf there)
+        // (left of the diagonal block, right to left: gamma^(r0-s) = col_f * gamma^(8 tiles))
+        float step_lo = row_lo, step_hi = row_hi;
         #pragma unroll
-        for (int j = 0; j < 8; ++j)
+        for (int j = 7; j >= 0; --j)
           #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int dj = j - 2 * w;
             float& x = p[j][e];
             if (dj < 0) {
-              x *= wg_col[j][e & 1] * ((e >> 1) ? row_hi : row_lo);
+              x *= ((e & 1) ? col_f1 : col_f0) * ((e >> 1) ? step_hi : step_lo);
+              if (e == 3) { step_lo *= g8; step_hi *= g8; }
             } else if (dj < 2) {
               const float d = dj == 0 ? diag[0][e] : diag[1][e];
               x = d >= 0.f ? x * d : 0.f;
@@ -351,13 +342,14 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
             a[kk][2] = rtk_pack2<DT>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
             a[kk][3] = rtk_pack2<DT>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
           }
+          const unsigned long long dv = rtk_wg_desc(sV_addr, RTK_MN_LBO(C * 128), RTK_MN_SBO(C * 128));
           rtk_wg_fence();
           #pragma unroll
           for (int nb = 0; nb < BV / 64; ++nb) {
             float (&oa)[32] = reinterpret_cast<float (&)[32]>(o_acc[8 * nb]);
             #pragma unroll
             for (int kk = 0; kk < 4; ++kk)
-              rtk_wgmma_rs<DT, 1>(oa, a[kk], rtk_wg_desc(sV_addr + nb * (C * 128) + kk * 2048, RTK_MN_LBO(C * 128), RTK_MN_SBO(C * 128)), 1);
+              rtk_wgmma_rs<DT, 1>(oa, a[kk], rtk_desc_at(dv, (nb * (C * 128) + kk * 2048) >> 4), 1);
           }
           rtk_wg_commit();
           rtk_wg_wait<0>();

@@ -73,15 +73,17 @@ def kernel_supports(q: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, ctas: int = 0, sms: int = 1,
-                  wgmma: bool = False) -> tuple:
+                  wgmma: bool = False, bv: Optional[int] = None) -> tuple:
     """Template arguments (DT, KMAX, BV, VEC, MINB, WG) of ``rtk_chunk_fwd`` for a grid of ``ctas``
-    CTAs on a GPU with ``sms`` multiprocessors; ``wgmma``: the GPU runs sm_90a code (Hopper) and
-    the wgmma output warpgroup may be used (Dk <= 128)."""
+    CTAs on a GPU with ``sms`` multiprocessors; ``wgmma``: the GPU runs sm_90a code (Hopper), so
+    the wgmma output warpgroup is used where Dk <= 128; ``bv``: the value-tile width (the wgmma
+    kernel takes 64 or 128)."""
     kmax = 64 if dk <= 64 else 128 if dk <= 128 else 256
     wg = wgmma and kmax <= 128
-    bv = force_bv or (64 if wg else 32 if kmax == 256 or dv <= 32 else 64)
-    minb = 1 if ctas <= sms or bv > 64 else 2
-    return dtype_code(dtype), kmax, bv, vec, minb, wg
+    if wg:  # one CTA per SM: the wgmma kernel needs more than 128 registers a thread
+        return dtype_code(dtype), kmax, bv or 64, vec, 1, True
+    bv = bv or (32 if kmax == 256 or dv <= 32 else 64)
+    return dtype_code(dtype), kmax, bv, vec, 1 if ctas <= sms else 2, False
 
 
 #: Kernels of chunk.cu that take no template arguments.
@@ -89,9 +91,11 @@ EXTRA_KERNELS = ("rtk_chunk_seg_scan",)
 
 
 def all_configs() -> list[tuple]:
-    return sorted({kernel_config(dt, dk, dv, vec, ctas, 1, wg) for dt in (torch.float16, torch.bfloat16)
-                   for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True) for ctas in (1, 2)
-                   for wg in (False, True)})
+    plain = {kernel_config(dt, dk, dv, vec, ctas, 1) for dt in (torch.float16, torch.bfloat16)
+             for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True) for ctas in (1, 2)}
+    wg = {kernel_config(dt, dk, 128, vec, 1, 1, True, bv) for dt in (torch.float16, torch.bfloat16)
+          for dk in (64, 128) for vec in (False, True) for bv in (64, 128)}
+    return sorted(plain | wg)
 
 
 def name_expression(config: tuple) -> str:
@@ -131,38 +135,60 @@ def _wgmma_ok(dev: int) -> bool:
 WGMMA_OPTIONS = ("-arch=sm_90a",)
 
 
-@functools.lru_cache(maxsize=1024)
-def _launch_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, dev: int,
-                   _key: tuple = ()) -> tuple[str, int, int, int, tuple]:
-    """(name expression, BV, dynamic shared memory, threads, compiler options) of a launch."""
-    wg = _wgmma_ok(dev)
-    bv = kernel_config(dtype, dk, dv, vec, wgmma=wg)[2]
-    config = kernel_config(dtype, dk, dv, vec, bh * -(-dv // bv), _sm_count(dev), wg)
-    return name_expression(config), bv, smem_bytes(config[1], bv, config[5]), 256, WGMMA_OPTIONS if config[5] else ()
-
-
-#: Number of sequence segments to use, overriding the heuristic (None: heuristic). For tests and
-#: tuning; the autotuner will own this choice.
+#: Overrides for tests and tuning (None: the heuristic): the number of sequence segments, the
+#: wgmma kernel on or off, the value-tile width BV. The autotuner will own these choices.
 force_segments: Optional[int] = None
-#: Overrides for tests and tuning: the wgmma kernel on or off (None: by device), the value-tile
-#: width BV (None: by shape).
 force_wgmma: Optional[bool] = None
 force_bv: Optional[int] = None
 
 
 def _overrides() -> tuple:
-    return (force_wgmma, force_bv)
+    return (force_segments, force_wgmma, force_bv)
 
 
-def segments_for(bh_tiles: int, n: int, sms: int) -> int:
+def segments_for(bh_tiles: int, n: int, sms: int, ctas_per_sm: int = 2) -> int:
     """The split-sequence heuristic: when the (batch, head, value-tile) CTAs fill at most half the
-    multiprocessors, split the sequence into segments of at least 8 chunks, as many as fit in one
-    wave of two CTAs per multiprocessor (the extra states pass costs less than idle
-    multiprocessors; a second, partial wave costs more). Measured on an H200 at (1, 32, 16384,
-    128) bf16: 1 segment 0.95 ms, 4 segments 0.51 ms, 5 segments (a partial second wave) 0.77 ms."""
-    if 2 * bh_tiles > sms:
+    multiprocessors and the sequence holds at least 2048 tokens, split it into segments of at least
+    8 chunks, as many as fit in one wave of ``ctas_per_sm`` CTAs per multiprocessor (the extra
+    states pass costs less than idle multiprocessors; a second, partial wave costs more).
+    Measured on an H200 at (1, 32, 16384, 128) bf16, mma.sync kernel: 1 segment 0.95 ms,
+    4 segments 0.51 ms, 5 segments (a partial second wave) 0.77 ms."""
+    if 2 * bh_tiles > sms or n < 2048:
         return 1
-    return max(1, min(2 * sms // bh_tiles, n // (8 * CHUNK_KERNEL)))
+    return max(1, min(ctas_per_sm * sms // bh_tiles, n // (8 * CHUNK_KERNEL)))
+
+
+def value_tile(dv: int, bh: int, n: int, sms: int, wg: bool) -> int:
+    """The value-tile width BV. The wgmma kernel takes 128 (q k^T shared by all Dv <= 128 value
+    columns, one CTA per SM) when Dv > 64 and the (batch, head) CTAs fill at least 3/4 of the SMs
+    or the sequence is split anyway, else 64 (twice the CTAs for a grid that would leave SMs
+    idle). Measured on an H200, bf16, D = 128: (4, 32, 4096) BV 128 0.243 ms, BV 64 0.313 ms;
+    (2, 32, 1024) BV 64 0.053 ms, BV 128 0.067 ms; (1, 32, 16384) BV 128 x 4 segments 0.375 ms,
+    BV 64 x 4 segments 0.482 ms."""
+    if not wg:
+        return 64
+    t128 = bh * -(-dv // 128)
+    return 128 if dv > 64 and (4 * t128 >= 3 * sms or (2 * t128 <= sms and n >= 2048)) else 64
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: int, dev: int,
+          _key: tuple = ()) -> tuple[str, int, int, int, int, tuple]:
+    """(name expression, BV, segments, dynamic shared memory, threads, compiler options)."""
+    wg = _wgmma_ok(dev) and dk <= 128
+    sms = _sm_count(dev)
+    bv = (force_bv or value_tile(dv, bh, n, sms, wg)) if wg else kernel_config(dtype, dk, dv, vec)[2]
+    tiles = bh * -(-dv // bv)
+    nseg = force_segments or segments_for(tiles, n, sms, 1 if wg else 2)
+    config = kernel_config(dtype, dk, dv, vec, tiles * nseg, sms, wg, bv)
+    return (name_expression(config), bv, nseg, smem_bytes(config[1], bv, wg), 256,
+            WGMMA_OPTIONS if wg else ())
+
+
+def _launch_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, dev: int, n: int = 4096):
+    """(name expression, BV, dynamic shared memory, threads, compiler options) of the fused pass."""
+    name, bv, _, smem, threads, opts = _plan(dtype, dk, dv, vec, bh, n, dev, _overrides())
+    return name, bv, smem, threads, opts
 
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
@@ -177,12 +203,10 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     vec = _aligned(q) and _aligned(k) and _aligned(v)
     dev = q.device.index
     bh = b * h
-    bv = kernel_config(q.dtype, dk, dv, vec, wgmma=_wgmma_ok(dev))[2]
+    name, bv, nseg, smem, threads, opts = _plan(q.dtype, dk, dv, vec, bh, n, dev, _overrides())
     tiles = -(-dv // bv)
-    nseg = force_segments or segments_for(bh * tiles, n, _sm_count(dev))
     seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
     nseg = -(-n // seg_len)
-    name, _, smem, threads, opts = _launch_config(q.dtype, dk, dv, vec, bh * nseg, dev, _overrides())
     fn = get_function(SOURCE, name, dev, extra_options=opts, dynamic_smem=smem)
     grid = (bh, tiles, nseg)
     args = fwd_args(q, k, v, out, log_decay, s0, final, scale)
