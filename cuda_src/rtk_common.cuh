@@ -181,7 +181,6 @@ __device__ __forceinline__ unsigned long long rtk_wg_desc(rtk_u32 saddr, rtk_u32
          ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
-#ifdef RTK_HAS_WGMMA
 // base + off, formed right where it is used (volatile: the compiler neither hoists nor keeps a
 // table of descriptors alive in registers).
 __device__ __forceinline__ unsigned long long rtk_desc_at(unsigned long long base, rtk_u32 off16) {
@@ -189,6 +188,7 @@ __device__ __forceinline__ unsigned long long rtk_desc_at(unsigned long long bas
   asm volatile("add.s64 %0, %1, %2;" : "=l"(d) : "l"(base), "l"((unsigned long long)off16));
   return d;
 }
+#ifdef RTK_HAS_WGMMA
 __device__ __forceinline__ void rtk_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void rtk_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void rtk_wg_wait() {
