@@ -24,15 +24,16 @@ SHAPES: dict[str, list[tuple[int, int, int, int, tuple[str, ...]]]] = {
     "long": [(1, 32, 16384, 128, ("bf16", "fp32"))],
     "d64": [(8, 16, 2048, 64, ("bf16",))],
     "huge": [(1, 8, 1048576, 128, ("bf16",))],
+    "huge128k": [(1, 8, 131072, 128, ("bf16",))],  # for time(1M) / time(128K), the O(N) check
     "decode": [(64, 32, 1, 128, ("bf16",)), (256, 32, 1, 128, ("bf16",))],
 }
 #: --quick: tiny shapes of the same names, a smoke run (e.g. on the CPU)
 QUICK: dict[str, list[tuple[int, int, int, int]]] = {
     "small": [(1, 2, 64, 16)], "mid": [(2, 2, 128, 16)], "long": [(1, 2, 512, 16)], "d64": [(2, 2, 128, 64)],
-    "huge": [(1, 2, 1024, 16)], "decode": [(2, 2, 1, 16), (4, 2, 1, 16)]}
+    "huge": [(1, 2, 1024, 16)], "huge128k": [(1, 2, 128, 16)], "decode": [(2, 2, 1, 16), (4, 2, 1, 16)]}
 METHODS = ("vanilla", "recursion", "block", "fleet", "scan", "chunk", "auto")
 IMPLS = ("rtkernels", "fla", "leetdecoding", "torch")
-O_N_MEMORY = ("scan", "fleet", "block", "chunk", "auto")  # rtkernels methods run on "huge"
+O_N_MEMORY = ("scan", "fleet", "block", "chunk", "auto")  # rtkernels methods run on "huge*"
 FLUSH_BYTES = 256 << 20
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
 
@@ -134,9 +135,9 @@ def skip_reason(case: Case, impl: Any) -> Optional[str]:
     if case.decode and impl.decode is None:
         return "no decode step (the decode rows run rtkernels method 'scan' with initial_state)" \
             if impl.name == "rtkernels" else "no decode API (one token from a given state)"
-    if case.name == "huge" and impl.name == "torch":
+    if case.name.startswith("huge") and impl.name == "torch":
         return "N² mask at N = 1M needs terabytes"
-    if case.name == "huge" and impl.name == "rtkernels" and impl.method not in O_N_MEMORY:
+    if case.name.startswith("huge") and impl.name == "rtkernels" and impl.method not in O_N_MEMORY:
         return f"'{impl.method}' is not O(N) in memory (or is O(N²) in work); huge runs O(N)-memory methods only"
     return None
 
@@ -256,6 +257,19 @@ def run_case(case: Case, dt: str, impls: list[Any], device: torch.device, args: 
     return rows
 
 
+def scaling(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """time(N = 1M) / time(N = 128K) per implementation run on both "huge" shapes (8 when the time
+    is linear in N)."""
+    from . import report
+
+    times: dict[tuple[str, str], float] = {}
+    for r in rows:
+        if r.get("shape") in ("huge", "huge128k") and isinstance(r.get("ms"), (int, float)):
+            times[(r["shape"], report.label(r))] = r["ms"]
+    return {impl: times[("huge", impl)] / t for (shape, impl), t in times.items()
+            if shape == "huge128k" and ("huge", impl) in times}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the benchmark; write OUT/bench.json, OUT/bench.md, OUT/bench.png; print the table."""
     args = add_arguments(argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)).parse_args(argv)
@@ -278,7 +292,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cases = make_cases(args.shapes, args.dtypes, args.quick)
     rows = [row for case in cases for dt in case.dtypes for row in run_case(case, dt, impls, device, args, reps, flush)]
     shapes = {c.label: "×".join(map(str, (c.b, c.h, c.n, c.d))) for c in cases}
+    env["scaling_1m_over_128k"] = scaling(rows)
     print(report.write(args.out, env, rows, shapes, {k: str(v) for k, v in vars(args).items()}))
+    for impl, ratio in env["scaling_1m_over_128k"].items():
+        print(f"time(1M) / time(128K), {impl}: {ratio:.2f} (8 = linear)")
     print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.md'}")
     return 0
 
