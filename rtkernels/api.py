@@ -195,6 +195,10 @@ def causal_linear_attention(
         The output ``[B, H, N, Dv]`` (or ``[B, N, H, Dv]``) in the input dtype, contiguous in the
         input layout; with ``return_state=True`` the pair ``(output, final_state)``.
 
+    Gradients: differentiable with respect to q, k, v, ``initial_state`` and a decay tensor that
+    requires grad (``decay``: dL/dgamma, ``decay_rate``: dL/dr), whatever the method: the method's
+    forward, then the chunked backward of :mod:`rtkernels.autograd`.
+
     Raises:
         TypeError / ValueError naming the argument for every malformed input. NaN inside q, k or v
         is data: it comes out as NaN in exactly the rows it reaches (q_i: row i; k_j, v_j: rows
