@@ -80,11 +80,11 @@ def auto_method(q: torch.Tensor, v: torch.Tensor) -> str:
 
 def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
-               need_state: bool, torch_only: bool = False) -> Optional[torch.Tensor]:
-    """Compute into ``out`` (a ``[B, H, N, Dv]`` view) with method ``name`` (its torch path when
-    ``torch_only``); return the final state when ``need_state``."""
+               need_state: bool) -> Optional[torch.Tensor]:
+    """Compute into ``out`` (a ``[B, H, N, Dv]`` view) with method ``name`` (its CUDA kernel where it
+    takes the inputs, else its torch path); return the final state when ``need_state``."""
     m = METHODS[name]
-    if not torch_only and m.uses_kernel(q, v):
+    if m.uses_kernel(q, v):
         return m.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state)
     return run_torch_path(m.torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)
 

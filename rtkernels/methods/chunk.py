@@ -3,7 +3,7 @@
 With chunks of C tokens and S_c the state entering chunk c:
 
     O_c[t]  = gamma^(t+1) q_t S_c + sum_{s <= t} gamma^(t-s) (q_t . k_s) v_s
-    S_{c+1} = gamma^C S_c + sum_s gamma^(C-1-s) k_s^T v_s
+    S_{c+1} = gamma^L S_c + sum_s gamma^(L-1-s) k_s^T v_s      (L = C, the last chunk: what is left)
 
 Only non-negative powers of gamma appear, so it is safe for every gamma in (0, 1] and any N.
 The torch path computes every chunk's masked product and own state in batched products, then
@@ -23,15 +23,13 @@ from typing import Optional
 
 import torch
 
-from ..decay import LogDecay
-import torch.nn.functional as F
-
 import functools
 import os
 
+from ..decay import LogDecay
 from ..runtime import dtype_code, get_function, launch
 from ._launch import fwd_args, operands
-from ._torch_common import block_state, inter_chunk, intra_chunk, state_update, zero_state
+from ._torch_common import chunk_end_decays, inter_chunk, intra_chunk, scan_chunks, to_chunks, zero_state
 
 SOURCE = "chunk.cu"
 #: Largest Dk and Dv the kernel takes.
@@ -42,30 +40,15 @@ CHUNK_KERNEL = 64  # tokens per chunk of the kernel (8 warps: 4 output warps x 1
 CHUNK = 64
 
 
-def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
+def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
                   initial_state: Optional[torch.Tensor], need_state: bool):
-    b, h, n, dk = q.shape
-    dv = v.shape[-1]
-    nc = -(-n // CHUNK)
-    # Zero rows appended at the end change no real output; the final state is taken before them.
-    qc, kc, vc = (F.pad(x, (0, 0, 0, nc * CHUNK - n)).view(b, h, nc, CHUNK, x.shape[-1])
-                  for x in (q, k, v))
-    own = block_state(kc, vc, log_decay)                        # [B, H, nc, Dk, Dv]
-    carry = torch.exp(log_decay * CHUNK).view(-1, 1, 1)
-    state = zero_state(q, v, initial_state)
-    entering = []
-    for c in range(nc):
-        entering.append(state)
-        if c + 1 < nc:
-            state = carry * state + own[:, :, c]
-    states = torch.stack(entering, dim=2)                       # S_c for every chunk
+    b, h, n, _ = q.shape
+    qc, kc, vc = (to_chunks(x, CHUNK) for x in (q, k, v))      # [B, H, nc, C, D], zero-padded
+    to_end, carry, _ = chunk_end_decays(log_decay, n, CHUNK)
+    own = (kc * to_end).transpose(-1, -2) @ vc                  # sum_s gamma^(L-1-s) k_s^T v_s
+    states, final = scan_chunks(zero_state(q, v, initial_state), own, carry)  # S_c for every chunk
     o = intra_chunk(qc, kc, vc, log_decay) + inter_chunk(qc, states, log_decay)
-    o = o.reshape(b, h, nc * CHUNK, dv)[:, :, :n]
-    final = None
-    if need_state:
-        last = (nc - 1) * CHUNK
-        final = state_update(state, k[:, :, last:], v[:, :, last:], log_decay)
-    return o, final
+    return o.reshape(b, h, -1, v.shape[-1])[:, :, :n], (final if need_state else None)
 
 
 def kernel_supports(q: torch.Tensor, v: torch.Tensor) -> bool:
