@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 import functools
 
+from ..autotune import tuned_config
+from ..autotune.space import Limits, Problem, Space
 from ..runtime import dtype_code, get_function, launch
 from ._launch import fwd_args, operands
 from ._torch_common import block_state, inter_chunk, intra_chunk, state_update, zero_state
@@ -132,6 +134,50 @@ def segments_for(bh_tiles: int, n: int, sms: int) -> int:
     return max(1, min(2 * sms // bh_tiles, n // (8 * CHUNK_KERNEL)))
 
 
+def _tune_default(p: Problem, limits: Limits) -> dict:
+    """Today's heuristic (``kernel_config`` + ``segments_for``) as a tuning config."""
+    dtype = p.torch_dtype
+    bv = kernel_config(dtype, p.dk, p.dv, True)[2]
+    tiles = -(-p.dv // bv)
+    nseg = segments_for(p.bh * tiles, p.n, limits.sms)
+    nseg = -(-p.n // (-(-p.n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL))
+    minb = kernel_config(dtype, p.dk, p.dv, True, p.bh * nseg * tiles, limits.sms)[4]
+    return {"bv": bv, "minb": minb, "segments": nseg}
+
+
+def _tune_check(p: Problem, config: dict, limits: Limits) -> Optional[str]:
+    kmax = kernel_config(p.torch_dtype, p.dk, p.dv, True)[1]
+    bv, nseg = config["bv"], config["segments"]
+    if kmax == 256 and bv > 32:
+        return "KMAX 256 with BV 64 needs more registers than a thread has"
+    if bv > 32 and p.dv <= 32:
+        return "BV wider than Dv"
+    if smem_bytes(kmax, bv) > limits.max_smem:
+        return f"needs {smem_bytes(kmax, bv)} B of shared memory, the GPU gives {limits.max_smem}"
+    seg_len = -(-p.n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
+    if nseg > 1 and -(-p.n // seg_len) != nseg:
+        return f"N = {p.n} gives fewer than {nseg} segments"
+    if nseg > 1 and seg_len < 4 * CHUNK_KERNEL:
+        return "segments shorter than 4 chunks"
+    return None
+
+
+#: The autotuner's space (rtkernels.autotune): tile width BV, MINB (launch bounds) and the number
+#: of sequence segments; KMAX follows Dk and VEC the operands' alignment.
+TUNE_SPACE = Space(params={"bv": (32, 64), "minb": (1, 2), "segments": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)},
+                   default=_tune_default, check=_tune_check)
+
+
+@functools.lru_cache(maxsize=1024)
+def tuned_launch(config: tuple, dtype: torch.dtype, dk: int, dv: int, vec: bool) -> tuple[str, int, int, int, int]:
+    """The autotuner's adapter: a tuned config (sorted ``(name, value)`` pairs of TUNE_SPACE) ->
+    (name expression, BV, dynamic shared memory, threads, segments)."""
+    c = dict(config)
+    kmax = kernel_config(dtype, dk, dv, vec)[1]
+    template = (dtype_code(dtype), kmax, c["bv"], vec, c["minb"])
+    return name_expression(template), c["bv"], smem_bytes(kmax, c["bv"]), 256, c["segments"]
+
+
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool) -> Optional[torch.Tensor]:
@@ -144,12 +190,19 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     vec = _aligned(q) and _aligned(k) and _aligned(v)
     dev = q.device.index
     bh = b * h
-    bv = kernel_config(q.dtype, dk, dv, vec)[2]
-    tiles = -(-dv // bv)
-    nseg = force_segments or segments_for(bh * tiles, n, _sm_count(dev))
+    tuned = tuned_config("chunk", dev, q.dtype, bh, n, dk, dv)  # None: no store entry
+    if tuned:
+        name, bv, smem, threads, nseg = tuned_launch(tuned, q.dtype, dk, dv, vec)
+        nseg = force_segments or nseg
+        tiles = -(-dv // bv)
+    else:
+        bv = kernel_config(q.dtype, dk, dv, vec)[2]
+        tiles = -(-dv // bv)
+        nseg = force_segments or segments_for(bh * tiles, n, _sm_count(dev))
     seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
     nseg = -(-n // seg_len)
-    name, _, smem, threads = _launch_config(q.dtype, dk, dv, vec, bh * nseg, dev)
+    if not tuned:
+        name, _, smem, threads = _launch_config(q.dtype, dk, dv, vec, bh * nseg, dev)
     fn = get_function(SOURCE, name, dev, dynamic_smem=smem)
     grid = (bh, tiles, nseg)
     args = fwd_args(q, k, v, out, log_decay, s0, final, scale)
