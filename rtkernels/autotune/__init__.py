@@ -37,7 +37,7 @@ from .tuner import Candidate, Trial, TuneResult
 
 __all__ = [
     "ENV_AUTOTUNE", "ENV_CACHE_DIR", "Selection", "Space", "Problem", "Limits", "Candidate", "Trial",
-    "TuneResult", "Store", "cache_dir", "store_dir", "bucket", "selection", "tuned_config", "lookup",
+    "TuneResult", "Store", "Config", "freeze", "cache_dir", "store_dir", "bucket", "selection", "tuned_config", "lookup",
     "tune", "record", "store_for_device", "use_store", "forced", "set_autotune_on_miss",
     "autotune_on_miss", "clear",
 ]
