@@ -226,11 +226,13 @@ def test_selection_reads_the_store_and_costs_well_under_a_microsecond(tmp_path):
     assert autotune.tuned_config("scan", 0, torch.bfloat16, 128, 4000, 128, 128) is None
     assert autotune.selection(0, torch.bfloat16, 128, 8192, 128, 128) is None  # another bucket
     assert autotune.selection(0, torch.float64, 128, 4096, 128, 128) is None   # never tuned
-    calls = 200_000
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        autotune.tuned_config("chunk", 0, torch.bfloat16, 128, 4000, 128, 128)
-    per_call = (time.perf_counter() - t0) / calls
+    calls, batches = 20_000, []
+    for _ in range(7):  # the best batch: robust to a busy CI machine
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            autotune.tuned_config("chunk", 0, torch.bfloat16, 128, 4000, 128, 128)
+        batches.append((time.perf_counter() - t0) / calls)
+    per_call = min(batches)
     assert per_call < 1e-6, f"{per_call * 1e9:.0f} ns per lookup"
     with autotune.forced("chunk", (("bv", 32),)):
         assert autotune.tuned_config("chunk", 0, torch.bfloat16, 128, 4000, 128, 128) == (("bv", 32),)
