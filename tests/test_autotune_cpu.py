@@ -340,3 +340,13 @@ def test_pruning_by_shared_memory_threads_and_memory():
     assert "threads" in scan.TUNE_SPACE.check(p, {"t": 8, "nt": 256}, Limits(max_threads=128))
     vanilla = dict((c.method, why) for c, why in cuda.candidates(p, Limits()) if c.method == "vanilla")
     assert "GiB" in vanilla["vanilla"]
+
+
+def test_configs_of_a_hopelessly_slow_method_are_pruned_after_its_first():
+    times = {"chunk bv=32": 1.0, "scan bv=8": 50.0, "scan bv=16": 40.0, "block bv=32": 5.0, "block bv=64": 0.5}
+    cands = [(Candidate.of(lbl.split(" bv=")[0], {"bv": int(lbl.split("=")[1])}), None) for lbl in times]
+    res = tune(PROBLEM, cands, lambda c: (lambda: c.label()), lambda fn: times[fn()], lambda c, o: None)
+    status = {t.candidate.label(): t.status for t in res.trials}
+    assert status == {"chunk bv=32": "ok", "scan bv=8": "ok", "scan bv=16": "pruned", "block bv=32": "ok",
+                      "block bv=64": "ok"}
+    assert "over 10x the best" in res.trials[2].error and res.best.candidate.label() == "block bv=64"

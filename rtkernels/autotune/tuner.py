@@ -145,14 +145,31 @@ def tune(problem: Problem, candidates: Iterable[tuple[Candidate, Optional[str]]]
          timer: Callable[[Callable[[], Any]], float],
          validate: Callable[[Candidate, Any], Optional[str]],
          progress: Optional[Callable[[Trial], None]] = None,
-         heuristic_method: Optional[str] = None, timer_note: str = "") -> TuneResult:
-    """Run ``candidates`` (each with the reason it is pruned, or None) and return every trial."""
+         heuristic_method: Optional[str] = None, timer_note: str = "",
+         slow_factor: Optional[float] = 10.0) -> TuneResult:
+    """Run ``candidates`` (each with the reason it is pruned, or None) and return every trial.
+
+    With ``slow_factor``, a method whose first timed candidate (its heuristic config: spaces list
+    it first) is more than ``slow_factor`` times slower than the best so far has its other
+    configs pruned: they are never compiled or run (this keeps e.g. the sequential scan on a
+    million tokens from costing seconds per config)."""
     trials: list[Trial] = []
+    best = float("inf")
+    first_done: set[str] = set()
+    slow: dict[str, str] = {}
     for cand, pruned in candidates:
+        if not pruned and cand.method in slow:
+            pruned = slow[cand.method]
         if pruned:
             trial = Trial(cand, "pruned", error=pruned)
         else:
             trial = _run_one(cand, prepare, timer, validate)
+            if trial.status == "ok":
+                if slow_factor and cand.method not in first_done and trial.ms > slow_factor * best:
+                    slow[cand.method] = (f"{cand.method}'s first config took {trial.ms:.3g} ms, over "
+                                         f"{slow_factor:g}x the best so far ({best:.3g} ms)")
+                best = min(best, trial.ms)
+            first_done.add(cand.method)
         trials.append(trial)
         if progress is not None:
             progress(trial)
