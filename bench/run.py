@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default bench/out)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, e.g. on the CPU")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    parser.add_argument("--no-jit", action="store_true",
+                        help="skip the JIT figures (cold compile per kernel, first call with a warm disk cache)")
     return parser
 
 
@@ -288,6 +290,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env["host_overhead_us"] = host_overheads(impls, device)
     except Exception as exc:
         env["host_overhead_us"] = {"error": _err(exc)}
+    if not args.no_jit:
+        from . import jit
+
+        print("bench: JIT figures (cold compile per kernel, warm first call) ...", flush=True)
+        env["jit"] = jit.measure(device.type == "cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
     cases = make_cases(args.shapes, args.dtypes, args.quick)
     rows = [row for case in cases for dt in case.dtypes for row in run_case(case, dt, impls, device, args, reps, flush)]

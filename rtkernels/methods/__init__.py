@@ -15,6 +15,7 @@ import torch
 
 from ..decay import LogDecay
 
+from ..autotune import selection
 from ..runtime import kernels_available
 from . import block, chunk, fleet, recursion, scan, vanilla
 from ._torch_common import TorchForward, run_torch_path
@@ -70,9 +71,14 @@ def _kernels_or_warn(device: torch.device) -> bool:
 
 
 def auto_method(q: torch.Tensor, v: torch.Tensor) -> str:
-    """The method ``method="auto"`` picks until the autotuner exists: the tensor-core ``chunk``
-    kernel where it runs (CUDA, fp16/bf16, Dk and Dv <= 256), else the ``scan`` kernel where it
-    runs (fp32), else the batched torch ``chunk`` path."""
+    """The method ``method="auto"`` picks: on CUDA tensors, the one the autotune store names for
+    the call's shape bucket on this GPU (one dict lookup per call); without an entry, the
+    heuristic: the tensor-core ``chunk`` kernel where it runs (CUDA, fp16/bf16, Dk and Dv <= 256),
+    else the ``scan`` kernel where it runs (fp32), else the batched torch ``chunk`` path."""
+    if q.is_cuda:
+        sel = selection(q.get_device(), q.dtype, q.shape[0] * q.shape[1], q.shape[2], q.shape[3], v.shape[3])
+        if sel is not None and sel.method in METHODS:
+            return sel.method
     if METHODS["chunk"].uses_kernel(q, v):
         return "chunk"
     return "scan" if METHODS["scan"].uses_kernel(q, v) else "chunk"

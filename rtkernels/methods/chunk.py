@@ -26,6 +26,8 @@ import torch
 import functools
 import os
 
+from ..autotune import tuned_config
+from ..autotune.space import Limits, Problem, Space
 from ..decay import LogDecay
 from ..runtime import dtype_code, get_function, launch
 from ._launch import fwd_args, operands
@@ -174,6 +176,55 @@ def _launch_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, dev
     return name, bv, smem, threads, opts
 
 
+def _tune_default(p: Problem, limits: Limits) -> dict:
+    """The heuristic (:func:`_plan`'s choices) as a tuning config."""
+    wg = limits.cc == (9, 0) and p.dk <= 128
+    bv = value_tile(p.dv, p.bh, p.n, limits.sms, True) if wg else kernel_config(p.torch_dtype, p.dk, p.dv, True)[2]
+    nseg = segments_for(p.bh * -(-p.dv // bv), p.n, limits.sms, 1 if wg else 2)
+    nseg = -(-p.n // (-(-p.n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL))
+    return {"wgmma": wg, "bv": bv, "segments": nseg}
+
+
+def _tune_check(p: Problem, config: dict, limits: Limits) -> Optional[str]:
+    kmax = kernel_config(p.torch_dtype, p.dk, p.dv, True)[1]
+    wg, bv, nseg = config.get("wgmma", False), config["bv"], config["segments"]
+    if wg and (kmax > 128 or bv < 64 or limits.cc != (9, 0)):
+        return "the wgmma kernel takes Dk <= 128 and BV 64 or 128, on compute capability 9.0"
+    if not wg and bv > 64:
+        return "the mma.sync kernel takes BV 32 or 64"
+    if kmax == 256 and bv > 32:
+        return "KMAX 256 with BV 64 needs more registers than a thread has"
+    if bv > 32 and p.dv <= 32:
+        return "BV wider than Dv"
+    if smem_bytes(kmax, bv, wg) > limits.max_smem:
+        return f"needs {smem_bytes(kmax, bv, wg)} B of shared memory, the GPU gives {limits.max_smem}"
+    seg_len = -(-p.n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
+    if nseg > 1 and -(-p.n // seg_len) != nseg:
+        return f"N = {p.n} gives fewer than {nseg} segments"
+    if nseg > 1 and seg_len < 4 * CHUNK_KERNEL:
+        return "segments shorter than 4 chunks"
+    return None
+
+
+#: The autotuner's space (rtkernels.autotune): the wgmma kernel or the mma.sync one, the tile width
+#: BV and the number of sequence segments; KMAX follows Dk, VEC the operands' alignment, MINB the grid.
+TUNE_SPACE = Space(params={"wgmma": (False, True), "bv": (32, 64, 128),
+                           "segments": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)},
+                   default=_tune_default, check=_tune_check)
+
+
+@functools.lru_cache(maxsize=1024)
+def tuned_launch(config: tuple, dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int = 1,
+                 sms: int = 1) -> tuple[str, int, int, int, int, tuple]:
+    """The autotuner's adapter: a tuned config (sorted ``(name, value)`` pairs of TUNE_SPACE) ->
+    (name expression, BV, segments, dynamic shared memory, threads, compiler options)."""
+    c = dict(config)
+    wg, bv, nseg = bool(c.get("wgmma", False)), c["bv"], c["segments"]
+    template = kernel_config(dtype, dk, dv, vec, bh * -(-dv // bv) * nseg, sms, wg, bv)
+    return (name_expression(template), bv, nseg, smem_bytes(template[1], bv, wg), 256,
+            WGMMA_OPTIONS if wg else ())
+
+
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool) -> Optional[torch.Tensor]:
@@ -186,7 +237,11 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     vec = _aligned(q) and _aligned(k) and _aligned(v)
     dev = q.device.index
     bh = b * h
-    name, bv, nseg, smem, threads, opts = _plan(q.dtype, dk, dv, vec, bh, n, dev, _overrides())
+    tuned = tuned_config("chunk", dev, q.dtype, bh, n, dk, dv)  # None: no store entry
+    if tuned and force_segments is None and force_wgmma is None and force_bv is None:
+        name, bv, nseg, smem, threads, opts = tuned_launch(tuned, q.dtype, dk, dv, vec, bh, _sm_count(dev))
+    else:
+        name, bv, nseg, smem, threads, opts = _plan(q.dtype, dk, dv, vec, bh, n, dev, _overrides())
     tiles = -(-dv // bv)
     seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
     nseg = -(-n // seg_len)
