@@ -106,5 +106,5 @@ def test_cupy_inputs_never_detach_a_grad_tensor():
         rtkernels.causal_linear_attention(qc, kc, vc, 0.5, initial_state=s0.clone().requires_grad_(True))
     with pytest.raises(TypeError, match="^the decay tensor requires grad"):
         rtkernels.causal_linear_attention(qc, kc, vc, decay.clone().requires_grad_(True))
-    out = rtkernels.causal_linear_attention(qc, kc, vc, decay, initial_state=s0)
+    out = rtkernels.causal_linear_attention(qc, kc, vc, decay.detach(), initial_state=s0.detach())
     assert isinstance(out, cupy.ndarray)
