@@ -143,15 +143,13 @@ def segments_for(bh_tiles: int, n: int, sms: int, ctas_per_sm: int = 2) -> int:
     return max(1, min(ctas_per_sm * sms // bh_tiles, n // (8 * CHUNK_KERNEL)))
 
 
-def value_tile(dv: int, bh: int, n: int, sms: int, wg: bool) -> int:
+def value_tile(dv: int, bh: int, n: int, sms: int) -> int:
     """The value-tile width BV. The wgmma kernel takes 128 (q k^T shared by all Dv <= 128 value
     columns, one CTA per SM) when Dv > 64 and the (batch, head) CTAs fill at least 3/4 of the SMs
     or the sequence is split anyway, else 64 (twice the CTAs for a grid that would leave SMs
     idle). Measured on an H200, bf16, D = 128: (4, 32, 4096) BV 128 0.243 ms, BV 64 0.313 ms;
     (2, 32, 1024) BV 64 0.053 ms, BV 128 0.067 ms; (1, 32, 16384) BV 128 x 4 segments 0.375 ms,
     BV 64 x 4 segments 0.482 ms."""
-    if not wg:
-        return 64
     t128 = bh * -(-dv // 128)
     return 128 if dv > 64 and (4 * t128 >= 3 * sms or (2 * t128 <= sms and n >= 2048)) else 64
 
@@ -162,7 +160,7 @@ def _plan(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: int, dev:
     """(name expression, BV, segments, dynamic shared memory, threads, compiler options)."""
     wg = _wgmma_ok(dev) and dk <= 128
     sms = _sm_count(dev)
-    bv = (force_bv or value_tile(dv, bh, n, sms, wg)) if wg else kernel_config(dtype, dk, dv, vec)[2]
+    bv = (force_bv or value_tile(dv, bh, n, sms)) if wg else kernel_config(dtype, dk, dv, vec)[2]
     tiles = bh * -(-dv // bv)
     nseg = force_segments or segments_for(tiles, n, sms, 1 if wg else 2)
     config = kernel_config(dtype, dk, dv, vec, tiles * nseg, sms, wg, bv)
@@ -179,7 +177,7 @@ def _launch_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, dev
 def _tune_default(p: Problem, limits: Limits) -> dict:
     """The heuristic (:func:`_plan`'s choices) as a tuning config."""
     wg = limits.cc == (9, 0) and p.dk <= 128
-    bv = value_tile(p.dv, p.bh, p.n, limits.sms, True) if wg else kernel_config(p.torch_dtype, p.dk, p.dv, True)[2]
+    bv = value_tile(p.dv, p.bh, p.n, limits.sms) if wg else kernel_config(p.torch_dtype, p.dk, p.dv, True)[2]
     nseg = segments_for(p.bh * -(-p.dv // bv), p.n, limits.sms, 1 if wg else 2)
     nseg = -(-p.n // (-(-p.n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL))
     return {"wgmma": wg, "bv": bv, "segments": nseg}
