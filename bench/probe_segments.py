@@ -1,21 +1,39 @@
-"""Scratch: chunk kernel time at the long shape for several segment counts (back-to-back calls)."""
+"""Scratch: chunk time (back-to-back API calls, so host time hides behind the GPU) per value-tile
+width and segment count, at the long and mid shapes.
+
+    python -m bench.probe_segments
+"""
 import math
+
 import torch
+
 import rtkernels
 from rtkernels.methods import chunk
 
-B, H, N, D = 1, 32, 16384, 128
-g = 1 - torch.exp(torch.linspace(math.log(1 / 32), math.log(1 / 512), H))
-q, k = (torch.randn(B, H, N, D, device="cuda").bfloat16() / D ** 0.5 for _ in range(2))
-v = torch.randn(B, H, N, D, device="cuda").bfloat16()
-row = []
-for segs in (1, 2, 3, 4, 5, 6, 8, 12, 16):
-    chunk.force_segments = segs
-    f = lambda: rtkernels.causal_linear_attention(q, k, v, g, method="chunk")
-    for _ in range(3): f()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    torch.cuda.synchronize(); s.record()
-    for _ in range(20): f()
-    e.record(); torch.cuda.synchronize()
-    row.append(f"{segs}:{s.elapsed_time(e) / 20:.3f}")
-print("long, segments:ms", " ".join(row))
+SHAPES = {"small": (2, 32, 1024, 128), "mid": (4, 32, 4096, 128), "long": (1, 32, 16384, 128)}
+PLAN = {"small": [(64, 1), (64, 2), (128, 1), (128, 2)],
+        "mid": [(64, 1), (128, 1)],
+        "long": [(64, 2), (64, 4), (128, 4), (128, 8), (64, 8)]}
+
+for label, (B, H, N, D) in SHAPES.items():
+    g = 1 - torch.exp(torch.linspace(math.log(1 / 32), math.log(1 / 512), H))
+    q, k = (torch.randn(B, H, N, D, device="cuda").bfloat16() / D ** 0.5 for _ in range(2))
+    v = torch.randn(B, H, N, D, device="cuda").bfloat16()
+    ref = rtkernels.causal_linear_attention(q.float(), k.float(), v.float(), g, method="chunk")
+    row = []
+    for bv, segs in PLAN[label]:
+        chunk.force_bv, chunk.force_segments = bv, segs
+        f = lambda: rtkernels.causal_linear_attention(q, k, v, g, method="chunk")
+        err = ((f().float() - ref).norm() / ref.norm()).item()
+        for _ in range(3):
+            f()
+        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+        torch.cuda.synchronize()
+        s.record()
+        for _ in range(20):
+            f()
+        e.record()
+        torch.cuda.synchronize()
+        row.append(f"bv{bv}/seg{segs}:{s.elapsed_time(e) / 20:.3f}ms({err:.1e})")
+    chunk.force_bv = chunk.force_segments = None
+    print(label, " ".join(row), flush=True)

@@ -21,7 +21,7 @@ if mode == "host":
     pr.disable(); torch.cuda.synchronize()
     pstats.Stats(pr).sort_stats("tottime").print_stats(18)
 else:
-    B, H, N, D = (4, 32, 4096, 128) if mode == "mid" else (1, 32, 16384, 128)
+    B, H, N, D = {"small": (2, 32, 1024, 128), "mid": (4, 32, 4096, 128)}.get(mode, (1, 32, 16384, 128))
     q, k = (torch.randn(B, H, N, D, device="cuda").bfloat16() / D ** 0.5 for _ in range(2))
     v = torch.randn(B, H, N, D, device="cuda").bfloat16()
     for _ in range(3): rtkernels.causal_linear_attention(q, k, v, g, method="chunk")

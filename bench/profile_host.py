@@ -26,7 +26,7 @@ print("check_inputs                ", tm(lambda: api._check_inputs(q, k, v, "bhn
 print("log_decay                   ", tm(lambda: api._log_decay(g, None, 32, q.device)))
 print("torch.empty                 ", tm(lambda: torch.empty(1, 32, 64, 128, dtype=torch.bfloat16, device="cuda")))
 print("kernel_forward              ", tm(lambda: chunk.kernel_forward(q, k, v, ld, 1.0, out, None, False)))
-name, bv, smem, threads = chunk._launch_config(q.dtype, 128, 128, True, 32, 0)
+name, bv, smem, threads, _ = chunk._launch_config(q.dtype, 128, 128, True, 32, 0)
 fn = jit.get_function(chunk.SOURCE, name, 0, dynamic_smem=smem)
 args = (*fwd_args(q, k, v, out, ld, None, None, 1.0), 64, 0)
 print("fast launch path:", fn.fast)

@@ -24,15 +24,16 @@ SHAPES: dict[str, list[tuple[int, int, int, int, tuple[str, ...]]]] = {
     "long": [(1, 32, 16384, 128, ("bf16", "fp32"))],
     "d64": [(8, 16, 2048, 64, ("bf16",))],
     "huge": [(1, 8, 1048576, 128, ("bf16",))],
+    "huge128k": [(1, 8, 131072, 128, ("bf16",))],  # for time(1M) / time(128K), the O(N) check
     "decode": [(64, 32, 1, 128, ("bf16",)), (256, 32, 1, 128, ("bf16",))],
 }
 #: --quick: tiny shapes of the same names, a smoke run (e.g. on the CPU)
 QUICK: dict[str, list[tuple[int, int, int, int]]] = {
     "small": [(1, 2, 64, 16)], "mid": [(2, 2, 128, 16)], "long": [(1, 2, 512, 16)], "d64": [(2, 2, 128, 64)],
-    "huge": [(1, 2, 1024, 16)], "decode": [(2, 2, 1, 16), (4, 2, 1, 16)]}
+    "huge": [(1, 2, 1024, 16)], "huge128k": [(1, 2, 128, 16)], "decode": [(2, 2, 1, 16), (4, 2, 1, 16)]}
 METHODS = ("vanilla", "recursion", "block", "fleet", "scan", "chunk", "auto")
 IMPLS = ("rtkernels", "fla", "leetdecoding", "torch")
-O_N_MEMORY = ("scan", "fleet", "block", "chunk", "auto")  # rtkernels methods run on "huge"
+O_N_MEMORY = ("scan", "fleet", "block", "chunk", "auto")  # rtkernels methods run on "huge*"
 FLUSH_BYTES = 256 << 20
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
 
@@ -65,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default bench/out)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, e.g. on the CPU")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    parser.add_argument("--no-jit", action="store_true",
+                        help="skip the JIT figures (cold compile per kernel, first call with a warm disk cache)")
     return parser
 
 
@@ -134,9 +137,9 @@ def skip_reason(case: Case, impl: Any) -> Optional[str]:
     if case.decode and impl.decode is None:
         return "no decode step (the decode rows run rtkernels method 'scan' with initial_state)" \
             if impl.name == "rtkernels" else "no decode API (one token from a given state)"
-    if case.name == "huge" and impl.name == "torch":
+    if case.name.startswith("huge") and impl.name == "torch":
         return "N² mask at N = 1M needs terabytes"
-    if case.name == "huge" and impl.name == "rtkernels" and impl.method not in O_N_MEMORY:
+    if case.name.startswith("huge") and impl.name == "rtkernels" and impl.method not in O_N_MEMORY:
         return f"'{impl.method}' is not O(N) in memory (or is O(N²) in work); huge runs O(N)-memory methods only"
     return None
 
@@ -256,6 +259,19 @@ def run_case(case: Case, dt: str, impls: list[Any], device: torch.device, args: 
     return rows
 
 
+def scaling(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """time(N = 1M) / time(N = 128K) per implementation run on both "huge" shapes (8 when the time
+    is linear in N)."""
+    from . import report
+
+    times: dict[tuple[str, str], float] = {}
+    for r in rows:
+        if r.get("shape") in ("huge", "huge128k") and isinstance(r.get("ms"), (int, float)):
+            times[(r["shape"], report.label(r))] = r["ms"]
+    return {impl: times[("huge", impl)] / t for (shape, impl), t in times.items()
+            if shape == "huge128k" and ("huge", impl) in times}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the benchmark; write OUT/bench.json, OUT/bench.md, OUT/bench.png; print the table."""
     args = add_arguments(argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)).parse_args(argv)
@@ -274,11 +290,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env["host_overhead_us"] = host_overheads(impls, device)
     except Exception as exc:
         env["host_overhead_us"] = {"error": _err(exc)}
+    if not args.no_jit:
+        from . import jit
+
+        print("bench: JIT figures (cold compile per kernel, warm first call) ...", flush=True)
+        env["jit"] = jit.measure(device.type == "cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
     cases = make_cases(args.shapes, args.dtypes, args.quick)
     rows = [row for case in cases for dt in case.dtypes for row in run_case(case, dt, impls, device, args, reps, flush)]
     shapes = {c.label: "×".join(map(str, (c.b, c.h, c.n, c.d))) for c in cases}
+    env["scaling_1m_over_128k"] = scaling(rows)
     print(report.write(args.out, env, rows, shapes, {k: str(v) for k, v in vars(args).items()}))
+    for impl, ratio in env["scaling_1m_over_128k"].items():
+        print(f"time(1M) / time(128K), {impl}: {ratio:.2f} (8 = linear)")
     print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.md'}")
     return 0
 

@@ -1,7 +1,10 @@
-"""Runs the chunk kernel (one fused pass and the split-sequence strategy) on one shape, for
-compute-sanitizer: python bench/sanitize_chunk.py B H N DK DV."""
+"""Runs the chunk kernels (one fused pass and the split-sequence strategy; the mma.sync kernel and,
+on compute capability 9.0, the wgmma kernel at both value-tile widths) on one shape, for
+compute-sanitizer: python bench/sanitize_chunk.py B H N DK DV [dtype ...]."""
 import sys
+
 import torch
+
 import rtkernels
 from rtkernels.methods import chunk
 
@@ -10,10 +13,14 @@ dtypes = [getattr(torch, x) for x in sys.argv[6:]] or [torch.bfloat16, torch.flo
 q, k = (torch.randn(b, h, n, dk, device="cuda").bfloat16() / dk ** 0.5 for _ in range(2))
 v = torch.randn(b, h, n, dv, device="cuda").half().bfloat16()
 s0 = torch.randn(b, h, dk, dv, device="cuda")
-for segs in (1, 3):
-    chunk.force_segments = segs
-    for dt in dtypes:
-        o, s = rtkernels.causal_linear_attention(q.to(dt), k.to(dt), v.to(dt), 0.99, method="chunk",
-                                                 initial_state=s0, return_state=True)
+variants = [(False, None)]
+if torch.cuda.get_device_capability() == (9, 0):
+    variants += [(True, 64), (True, 128)]
+for chunk.force_wgmma, chunk.force_bv in variants:
+    for segs in (1, 3):
+        chunk.force_segments = segs
+        for dt in dtypes:
+            o, s = rtkernels.causal_linear_attention(q.to(dt), k.to(dt), v.to(dt), 0.99, method="chunk",
+                                                     initial_state=s0, return_state=True)
 torch.cuda.synchronize()
-print("ran", b, h, n, dk, dv, "finite:", bool(torch.isfinite(o).all()))
+print("ran", b, h, n, dk, dv, "variants", len(variants), "finite:", bool(torch.isfinite(o).all()))

@@ -24,32 +24,56 @@
 // The state update uses v as it is, so later chunks see the NaN through S.
 #include "rtk_common.cuh"
 
-template <int KMAX, int BV>
+// wgmma descriptors of MN-major operands (v and the state copy, [k][n] with n contiguous): the
+// leading byte offset is the step between 64-column regions, the stride byte offset the step
+// between 8-row groups (checked on an H200; the swapped reading faults).
+#define RTK_MN_LBO(region) (region)
+#define RTK_MN_SBO(region) 1024
+
+#ifndef RTK_KUNROLL  // unrolling of the output warps' k loop (experiment knob)
+#define RTK_KUNROLL 1
+#endif
+
+// Shared-memory layout. SW = false: rows padded by 16 bytes (conflict-free ldmatrix). SW = true
+// (the wgmma kernel): 128-byte-swizzled regions of 64 columns (rtk_swz_off), 1024-byte aligned,
+// the layout wgmma descriptors read. The *_off functions give the element offset of 16-byte
+// piece p of row r; KS and VS are the element step from one row to the next in the same piece.
+template <int KMAX, int BV, bool SW>
 struct rtk_chunk_smem {
   static constexpr int C = 64;
-  static constexpr int KS = KMAX + 8;  // padded row stride of the q and k tiles (16-bit elements)
-  static constexpr int VS = BV + 8;    // padded row stride of the v tile and of the state copy
-  static constexpr int Q = 0, K = Q + C * KS, V = K + C * KS;
-  static constexpr int STAGE = V + C * VS;
-  static constexpr int S = 2 * STAGE;  // 16-bit copy of the state, KMAX x VS
-  static constexpr int ELEMS = S + KMAX * VS;
-  static constexpr int BYTES = ELEMS * 2 + 32;  // + fp16 scaling: max|S| of the 4 state warps, 2 slots
+  static constexpr int KS = SW ? 64 : KMAX + 8;
+  static constexpr int VS = SW ? 64 : BV + 8;
+  static constexpr int Q = 0, K = Q + C * (SW ? KMAX : KS), V = K + C * (SW ? KMAX : KS);
+  static constexpr int STAGE = V + C * (SW ? BV : VS);
+  static constexpr int S = 2 * STAGE;  // 16-bit copy of the state, KMAX x BV
+  static constexpr int ELEMS = S + KMAX * (SW ? BV : VS);
+  static constexpr int ALIGN = SW ? 1024 : 0;            // slack for aligning the base
+  static constexpr int BYTES = ELEMS * 2 + 32 + ALIGN;  // + fp16 scaling: max|S| of the 4 state warps, 2 slots
+  static __device__ __forceinline__ int qk_off(int r, int p) { return SW ? rtk_swz_off(C, r, p) : r * KS + p * 8; }
+  static __device__ __forceinline__ int v_off(int r, int p) { return SW ? rtk_swz_off(C, r, p) : r * VS + p * 8; }
+  static __device__ __forceinline__ int s_off(int r, int p) { return SW ? rtk_swz_off(KMAX, r, p) : r * VS + p * 8; }
 };
 
 // MINB: CTAs per SM the register budget is sized for (2: 128 registers a thread, for grids of
 // more than one wave; 1: no spills, for grids that give each SM at most one CTA anyway).
-template <int DT, int KMAX, int BV, bool VEC, int MINB>
+// WG (sm_90a only, KMAX <= 128, BV a multiple of 64): the output warps form one warpgroup that
+// computes the chunk with wgmma (q k^T and q S from shared memory, P v with P from registers);
+// otherwise each output warp uses mma.sync on its 16 rows.
+template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG>
 __global__ void __launch_bounds__(256, MINB)
 rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
   RTK_FWD_SIZES;
-  typedef rtk_chunk_smem<KMAX, BV> L;
+  typedef rtk_chunk_smem<KMAX, BV, WG> L;
   constexpr int C = L::C, KS = L::KS, VS = L::VS;
   constexpr int NT = BV / 8;          // n-tiles of the value columns
   constexpr int MT = KMAX / 64;       // m-tiles of state rows per state warp
   constexpr rtk_u32 EXP = rtk_expmask<DT>::v;
   static_assert(BV % 16 == 0 && KMAX % 64 == 0, "bad tile");
+  static_assert(!WG || (KMAX <= 128 && BV % 64 == 0), "bad wgmma tile");
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
+  extern __shared__ __align__(16) unsigned char smem_base[];
+  constexpr rtk_u32 AL = L::ALIGN > 0 ? L::ALIGN : 1;
+  unsigned char* smem_raw = smem_base + ((AL - (rtk_smem_addr(smem_base) & (AL - 1))) & (AL - 1));
   rtk_u16* sm = reinterpret_cast<rtk_u16*>(smem_raw);
   // fp16 only: each state warp publishes max|S| of its rows (or -1 when not finite) in slot
   // (chunk & 1) before barrier (B); the state warps read the 4 values after (B), the output warps
@@ -109,8 +133,8 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
     rtk_u16* sV = sm + stage * L::STAGE + L::V;
     const int n0 = chunk * C;
     if (VEC) {
-      const rtk_u32 dq = rtk_smem_addr(sQ + qrow * KS + qcol), dk = rtk_smem_addr(sK + qrow * KS + qcol);
-      const rtk_u32 dv = rtk_smem_addr(sV + vrow * VS + vcol);
+      const rtk_u32 dq = rtk_smem_addr(sQ + L::qk_off(qrow, qcol >> 3)), dk = rtk_smem_addr(sK + L::qk_off(qrow, qcol >> 3));
+      const rtk_u32 dv = rtk_smem_addr(sV + L::v_off(vrow, vcol >> 3));
       const char* qp = reinterpret_cast<const char*>(q_first + (rtk_i64)n0 * q_sn);
       const char* kp = reinterpret_cast<const char*>(k_first + (rtk_i64)n0 * k_sn);
       const char* vp = reinterpret_cast<const char*>(v_first + (rtk_i64)n0 * v_sn);
@@ -141,13 +165,14 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
         const int r = e / KMAX, col = e - r * KMAX;
         const rtk_i64 n = (rtk_i64)n0 + r;
         const bool ok = n < NS && col < Dk;
-        sQ[r * KS + col] = ok ? qb[n * q_sn + col] : (rtk_u16)0;
-        sK[r * KS + col] = ok ? kb[n * k_sn + col] : (rtk_u16)0;
+        const int at = L::qk_off(r, col >> 3) + (col & 7);
+        sQ[at] = ok ? qb[n * q_sn + col] : (rtk_u16)0;
+        sK[at] = ok ? kb[n * k_sn + col] : (rtk_u16)0;
       }
       for (int e = st; e < C * BV; e += 128) {
         const int r = e / BV, col = e - r * BV;
         const rtk_i64 n = (rtk_i64)n0 + r;
-        sV[r * VS + col] = (n < NS && col < dv_here) ? vb[n * v_sn + col] : (rtk_u16)0;
+        sV[L::v_off(r, col >> 3) + (col & 7)] = (n < NS && col < dv_here) ? vb[n * v_sn + col] : (rtk_u16)0;
       }
     }
   };
@@ -177,7 +202,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
       const rtk_u16* sV = sm + stage * L::STAGE + L::V;
       #pragma unroll
       for (int u = 0; u < C / VROWS; ++u) {
-        const uint4 x = *reinterpret_cast<const uint4*>(sV + (vrow + u * VROWS) * VS + vcol);
+        const uint4 x = *reinterpret_cast<const uint4*>(sV + L::v_off(vrow + u * VROWS, vcol >> 3));
         my_bad |= rtk_nonfinite2<DT>(x.x) | rtk_nonfinite2<DT>(x.y) | rtk_nonfinite2<DT>(x.z) |
                   rtk_nonfinite2<DT>(x.w);
       }
@@ -185,6 +210,8 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
 #ifdef RTK_PROBE_NO_LOAD
     my_bad = false;
 #endif
+    // the tiles (cp.async) and the state copy (st.shared) are read by wgmma next: async proxy
+    if (WG && !out_warp) rtk_fence_proxy_async();
     return __syncthreads_or(my_bad) != 0;  // (A) tiles and state copy visible
   };
 
@@ -230,56 +257,6 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
       }
       float o_acc[NT][4];
       float p[8][4];  // scores of the 16 rows against key tiles 0 .. 2w+1
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) o_acc[nt][e] = 0.f;
-      #pragma unroll
-      for (int j = 0; j < 8; ++j)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
-
-      // q_t S and q_t . k_s, sharing the q fragments
-      #pragma unroll 1
-      for (int kstep = 0; kstep < kt_used; ++kstep) {
-        rtk_u32 a[4];
-        rtk_ldsm_x4(a, sQ_addr + 2 * ((r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * KS + kstep * 16 + (lane >> 4) * 8));
-        #pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-          rtk_u32 bb[4];
-          rtk_ldsm_x4_trans(bb, sS_addr + 2 * ((kstep * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + np * 16 + (lane >> 4) * 8));
-          rtk_mma16816<DT>(o_acc[2 * np], a, bb[0], bb[1]);
-          rtk_mma16816<DT>(o_acc[2 * np + 1], a, bb[2], bb[3]);
-        }
-        #pragma unroll
-        for (int jp = 0; jp < 4; ++jp) {
-          if (jp <= w) {
-            rtk_u32 bb[4];
-            rtk_ldsm_x4(bb, sK_addr + 2 * ((jp * 16 + (lane & 7) + (lane >> 4) * 8) * KS + kstep * 16 + ((lane >> 3) & 1) * 8));
-            rtk_mma16816<DT>(p[2 * jp], a, bb[0], bb[1]);
-            rtk_mma16816<DT>(p[2 * jp + 1], a, bb[2], bb[3]);
-          }
-        }
-      }
-
-      // gamma^(r0+1) q_t S (undoing the copy's 2^e); the keys left of the diagonal block get
-      // gamma^(r0-s): tile j lies 8(2w-1-j) + (8 - 2 t4 - e) to the left of r0
-      const float fi = inter0 * s_inv;
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) o_acc[nt][e] *= fi;
-      {
-        float step = 1.f;
-        #pragma unroll
-        for (int j = 7; j >= 0; --j) {
-          if (j < 2 * w) {
-            const float f0 = col_f0 * step, f1 = col_f1 * step;
-            p[j][0] *= f0; p[j][1] *= f1; p[j][2] *= f0; p[j][3] *= f1;
-            step *= g8;
-          }
-        }
-      }
       bool saw_bad = false;
       auto pv = [&](int kk) {  // o_acc += P[:, 16 kk ..] V[16 kk .., :]  (kk a compile-time value)
         rtk_u32 a[4];
@@ -290,7 +267,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
         #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
           rtk_u32 bb[4];
-          rtk_ldsm_x4_trans(bb, sV_addr + 2 * ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + np * 16 + (lane >> 4) * 8));
+          rtk_ldsm_x4_trans(bb, sV_addr + 2 * L::v_off(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, np * 2 + (lane >> 4)));
           if (v_bad) {  // rare: zero Inf/NaN in the operand, remember that this warp saw one
             #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -304,31 +281,162 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
           rtk_mma16816<DT>(o_acc[2 * np + 1], a, bb[2], bb[3]);
         }
       };
-      #pragma unroll
-      for (int kk = 0; kk < 3; ++kk)
-        if (kk < w) pv(kk);
-      // rows: gamma^(t - r0) * scale
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        o_acc[nt][0] *= row_lo; o_acc[nt][1] *= row_lo;
-        o_acc[nt][2] *= row_hi; o_acc[nt][3] *= row_hi;
-      }
-      // the diagonal block: gamma^(t-s) * scale for s <= t, a select (not a product) above it;
-      // tiles are picked with compile-time indices so p stays in registers
-      #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        if (kk == w) {
+      if constexpr (WG) {
+        // q k^T for all 64 x 64 pairs and q S, both from shared memory, as two wgmma groups
+        // descriptors: a base per operand, plus the byte offset of each 16-wide k step / 16-row
+        // group (>> 4: the start-address field counts 16-byte units, and never overflows here)
+        float (&pa)[32] = reinterpret_cast<float (&)[32]>(p);
+        const unsigned long long dq = rtk_wg_desc(sQ_addr, 16, 1024), dk = rtk_wg_desc(sK_addr, 16, 1024);
+        const unsigned long long ds = rtk_wg_desc(sS_addr, RTK_MN_LBO(KMAX * 128), RTK_MN_SBO(KMAX * 128));
+        auto kmaj = [](int ks) { return (rtk_u32)(((ks >> 2) * (C * 128) + (ks & 3) * 32) >> 4); };
+        rtk_wg_fence();
+        #pragma unroll
+        for (int ks = 0; ks < KMAX / 16; ++ks) rtk_wgmma_ss<DT, 0>(pa, rtk_desc_at(dq, kmaj(ks)), rtk_desc_at(dk, kmaj(ks)), ks);
+        rtk_wg_commit();
+        #pragma unroll
+        for (int nb = 0; nb < BV / 64; ++nb) {
+          float (&oa)[32] = reinterpret_cast<float (&)[32]>(o_acc[8 * nb]);
           #pragma unroll
-          for (int jd = 0; jd < 2; ++jd)
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              float& x = p[2 * kk + jd][e];
-              x = diag[jd][e] >= 0.f ? x * diag[jd][e] : 0.f;
-            }
-          pv(kk);
+          for (int ks = 0; ks < KMAX / 16; ++ks)
+            rtk_wgmma_ss<DT, 1>(oa, rtk_desc_at(dq, kmaj(ks)), rtk_desc_at(ds, (nb * (KMAX * 128) + ks * 2048) >> 4), ks);
         }
-      }
+        rtk_wg_commit();
+        rtk_wg_wait<1>();
+        rtk_wg_pin(pa);
+        // P: gamma^(t-s) * scale for s <= t (left of the diagonal block as row factor x column
+        // factor, inside it directly), 0 above the diagonal (a select: q.k may be Inf there)
+        // (left of the diagonal block, right to left: gamma^(r0-s) = col_f * gamma^(8 tiles))
+        float step_lo = row_lo, step_hi = row_hi;
+        #pragma unroll
+        for (int j = 7; j >= 0; --j)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int dj = j - 2 * w;
+            float& x = p[j][e];
+            if (dj < 0) {
+              x *= ((e & 1) ? col_f1 : col_f0) * ((e >> 1) ? step_hi : step_lo);
+              if (e == 3) { step_lo *= g8; step_hi *= g8; }
+            } else if (dj < 2) {
+              const float d = dj == 0 ? diag[0][e] : diag[1][e];
+              x = d >= 0.f ? x * d : 0.f;
+            } else {
+              x = 0.f;
+            }
+          }
+        rtk_wg_wait<0>();
+        #pragma unroll
+        for (int nb = 0; nb < BV / 64; ++nb) rtk_wg_pin(reinterpret_cast<float (&)[32]>(o_acc[8 * nb]));
+        // q S rows: gamma^(t+1) * scale (and the fp16 copy's 2^-e)
+        const float f_lo = inter0 * s_inv * row_lo, f_hi = inter0 * s_inv * row_hi;
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          o_acc[nt][0] *= f_lo; o_acc[nt][1] *= f_lo;
+          o_acc[nt][2] *= f_hi; o_acc[nt][3] *= f_hi;
+        }
+        if (!v_bad) {  // P v: P from registers, v from shared memory
+          rtk_u32 a[4][4];
+          #pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+            a[kk][0] = rtk_pack2<DT>(p[2 * kk][0], p[2 * kk][1]);
+            a[kk][1] = rtk_pack2<DT>(p[2 * kk][2], p[2 * kk][3]);
+            a[kk][2] = rtk_pack2<DT>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+            a[kk][3] = rtk_pack2<DT>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+          }
+          const unsigned long long dv = rtk_wg_desc(sV_addr, RTK_MN_LBO(C * 128), RTK_MN_SBO(C * 128));
+          rtk_wg_fence();
+          #pragma unroll
+          for (int nb = 0; nb < BV / 64; ++nb) {
+            float (&oa)[32] = reinterpret_cast<float (&)[32]>(o_acc[8 * nb]);
+            #pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+              rtk_wgmma_rs<DT, 1>(oa, a[kk], rtk_desc_at(dv, (nb * (C * 128) + kk * 2048) >> 4), 1);
+          }
+          rtk_wg_commit();
+          rtk_wg_wait<0>();
+          #pragma unroll
+          for (int nb = 0; nb < BV / 64; ++nb) rtk_wg_pin(reinterpret_cast<float (&)[32]>(o_acc[8 * nb]));
+        } else {  // rare: a non-finite v in this chunk; mma.sync with the operand cleaned
+          #pragma unroll
+          for (int kk = 0; kk < 4; ++kk) pv(kk);
+        }
+      } else {
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) o_acc[nt][e] = 0.f;
+        #pragma unroll
+        for (int j = 0; j < 8; ++j)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
 
+        // q_t S and q_t . k_s, sharing the q fragments
+        #pragma unroll RTK_KUNROLL
+        for (int kstep = 0; kstep < KMAX / 16; ++kstep) {
+          if (kstep >= kt_used) break;
+          rtk_u32 a[4];
+          rtk_ldsm_x4(a, sQ_addr + 2 * ((r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * KS + kstep * 16 + (lane >> 4) * 8));
+          #pragma unroll
+          for (int np = 0; np < NT / 2; ++np) {
+            rtk_u32 bb[4];
+            rtk_ldsm_x4_trans(bb, sS_addr + 2 * ((kstep * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + np * 16 + (lane >> 4) * 8));
+            rtk_mma16816<DT>(o_acc[2 * np], a, bb[0], bb[1]);
+            rtk_mma16816<DT>(o_acc[2 * np + 1], a, bb[2], bb[3]);
+          }
+          #pragma unroll
+          for (int jp = 0; jp < 4; ++jp) {
+            if (jp <= w) {
+              rtk_u32 bb[4];
+              rtk_ldsm_x4(bb, sK_addr + 2 * ((jp * 16 + (lane & 7) + (lane >> 4) * 8) * KS + kstep * 16 + ((lane >> 3) & 1) * 8));
+              rtk_mma16816<DT>(p[2 * jp], a, bb[0], bb[1]);
+              rtk_mma16816<DT>(p[2 * jp + 1], a, bb[2], bb[3]);
+            }
+          }
+        }
+
+        // gamma^(r0+1) q_t S (undoing the copy's 2^e); the keys left of the diagonal block get
+        // gamma^(r0-s): tile j lies 8(2w-1-j) + (8 - 2 t4 - e) to the left of r0
+        const float fi = inter0 * s_inv;
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) o_acc[nt][e] *= fi;
+        {
+          float step = 1.f;
+          #pragma unroll
+          for (int j = 7; j >= 0; --j) {
+            if (j < 2 * w) {
+              const float f0 = col_f0 * step, f1 = col_f1 * step;
+              p[j][0] *= f0; p[j][1] *= f1; p[j][2] *= f0; p[j][3] *= f1;
+              step *= g8;
+            }
+          }
+        }
+        #pragma unroll
+        for (int kk = 0; kk < 3; ++kk)
+          if (kk < w) pv(kk);
+        // rows: gamma^(t - r0) * scale
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          o_acc[nt][0] *= row_lo; o_acc[nt][1] *= row_lo;
+          o_acc[nt][2] *= row_hi; o_acc[nt][3] *= row_hi;
+        }
+        // the diagonal block: gamma^(t-s) * scale for s <= t, a select (not a product) above it;
+        // tiles are picked with compile-time indices so p stays in registers
+        #pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          if (kk == w) {
+            #pragma unroll
+            for (int jd = 0; jd < 2; ++jd)
+              #pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                float& x = p[2 * kk + jd][e];
+                x = diag[jd][e] >= 0.f ? x * diag[jd][e] : 0.f;
+              }
+            pv(kk);
+          }
+        }
+
+      }
       if (v_bad && __any_sync(0xffffffffu, saw_bad)) {
         // rare: mark the outputs a non-finite v_s reaches (rows t >= s of the same column)
         const rtk_u16* sV = sm + stage * L::STAGE + L::V;
@@ -338,7 +446,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
           for (int e = 0; e < 4; ++e) {
             const int t = r0 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
             bool hit = false;
-            for (int s2 = 0; s2 <= t; ++s2) hit |= (sV[s2 * VS + c] & EXP) == EXP;
+            for (int s2 = 0; s2 <= t; ++s2) hit |= (sV[L::v_off(s2, c >> 3) + (c & 7)] & EXP) == EXP;
             if (hit) o_acc[nt][e] = __int_as_float(0x7fc00000);
           }
       }
@@ -410,7 +518,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
           #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             const int r = sr0 + mt * 16 + g + hh * 8, c = nt * 8 + 2 * t4;
-            *reinterpret_cast<rtk_u32*>(sS + r * VS + c) =
+            *reinterpret_cast<rtk_u32*>(sS + L::s_off(r, c >> 3) + (c & 7)) =
                 rtk_pack2<DT>(s_acc[mt][nt][2 * hh] * mul, s_acc[mt][nt][2 * hh + 1] * mul);
           }
     };
@@ -446,7 +554,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
           rtk_u32 a[MT][4];
           #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
-            rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * KS + sr0 + mt * 16 + ((lane >> 3) & 1) * 8));
+            rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * L::qk_off(kk * 16 + (lane & 7) + (lane >> 4) * 8, (sr0 + mt * 16) / 8 + ((lane >> 3) & 1)));
             a[mt][0] = rtk_mul2<DT>(a[mt][0], wa);  // k_s * gamma^(len-1-s), s = kk*16 + 2*t4 + {0, 1}
             a[mt][1] = rtk_mul2<DT>(a[mt][1], wa);
             a[mt][2] = rtk_mul2<DT>(a[mt][2], wb);  // s + 8
@@ -455,7 +563,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
           #pragma unroll
           for (int np = 0; np < NT / 2; ++np) {
             rtk_u32 bb[4];
-            rtk_ldsm_x4_trans(bb, sV_addr + 2 * ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + np * 16 + (lane >> 4) * 8));
+            rtk_ldsm_x4_trans(bb, sV_addr + 2 * L::v_off(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, np * 2 + (lane >> 4)));
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
               rtk_mma16816<DT>(s_acc[mt][2 * np], a[mt], bb[0], bb[1]);

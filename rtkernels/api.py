@@ -9,6 +9,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
+from .autograd import attention_with_grad, needs_grad, track_decay
 from .decay import LogDecay
 from .methods import METHODS, auto_method, run_method
 from .runtime.dtypes import compute_dtype
@@ -118,9 +119,8 @@ def _check_factor_or_rate(value: Any, name: str, h: int, device: torch.device) -
         raise ValueError(f"{name} must be a float or a tensor of shape [H] = [{h}], got shape {tuple(t.shape)}")
     if t.device != device and t.device.type != "cpu":
         raise ValueError(f"{name} must be on the device of q ({device}) or on the CPU, got {t.device}")
-    if t.requires_grad and torch.is_grad_enabled():
-        raise NotImplementedError(f"{name} requires grad: gradients with respect to the decay are not "
-                                  f"supported yet; pass {name}.detach()")
+    if t.requires_grad and torch.is_grad_enabled():  # a trainable decay: checked as a plain tensor, then tracked
+        return track_decay(_check_factor_or_rate(t.detach(), name, h, device), t, is_rate)
     t = t.detach()
     if t.device.type == "cpu":  # checked on the host; nothing reaches the device but a cached tensor
         values = tuple(t.tolist())
@@ -220,6 +220,10 @@ def causal_linear_attention(
         The output ``[B, H, N, Dv]`` (or ``[B, N, H, Dv]``) in the input dtype, contiguous in the
         input layout; with ``return_state=True`` the pair ``(output, final_state)``.
 
+    Gradients: differentiable with respect to q, k, v, ``initial_state`` and a decay tensor that
+    requires grad (``decay``: dL/dgamma, ``decay_rate``: dL/dr), whatever the method: the method's
+    forward, then the chunked backward of :mod:`rtkernels.autograd`.
+
     Raises:
         TypeError / ValueError naming the argument for every malformed input. NaN inside q, k or v
         is data: it comes out as NaN in exactly the rows it reaches (q_i: row i; k_j, v_j: rows
@@ -259,18 +263,13 @@ def causal_linear_attention(
             state = (s0.to(sdt, copy=True) if s0 is not None else
                      torch.zeros(b, h, qt.shape[3], dv, dtype=sdt, device=qt.device))
     else:
-        grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (qt, kt, vt, s0))
-        if method == "auto":
-            # the CUDA kernels have no backward yet; the torch paths are differentiable
-            name, torch_only = ("chunk", True) if grad else (auto_method(qt, vt), False)
+        name = auto_method(qt, vt) if method == "auto" else method
+        if needs_grad(kind, qt, kt, vt, s0, log_decay):  # every method: its forward, then the chunked backward
+            out, state = attention_with_grad(name, qt, kt, vt, log_decay, scale, out, layout, s0, return_state,
+                                             fp32_precision)
         else:
-            name, torch_only = method, False
-            if grad and METHODS[name].uses_kernel(qt, vt):
-                raise NotImplementedError(
-                    f"method={name!r} runs a CUDA kernel that has no backward yet, and an input requires "
-                    f"grad; use method='auto' (a differentiable torch path) or detach the inputs")
-        state = run_method(name, qt, kt, vt, log_decay, scale, out_view, s0, return_state, torch_only,
-                           fp32_precision)
+            state = run_method(name, qt, kt, vt, log_decay, scale, out_view, s0, return_state,
+                               fp32_precision=fp32_precision)
     if kind == "cupy":
         import cupy
 

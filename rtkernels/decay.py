@@ -4,6 +4,10 @@ A decay given as a Python number or a CPU tensor is known on the host: its log v
 checked there and the device tensor holding them is built once and cached by value, so a call
 copies nothing to the device. A decay given as a CUDA tensor is checked with one device sync and
 its log is taken on the device.
+
+A decay tensor that requires grad also keeps ``source``: the same clamped log(gamma) as a
+differentiable function of the caller's tensor (see :mod:`rtkernels.autograd`); the values the
+methods compute with are the same, detached.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ def _cached(values: tuple[float, ...], device: torch.device, dtype: torch.dtype)
 class LogDecay:
     """``log(gamma_h)`` for every head (values <= 0), in whatever dtype a method asks for."""
 
-    __slots__ = ("host", "device_values", "device")
+    __slots__ = ("host", "device_values", "device", "source")
 
     def __init__(self, device: torch.device, host: Optional[tuple[float, ...]] = None,
                  device_values: Optional[torch.Tensor] = None):
         self.device = device
+        #: ``[H]`` log(gamma) with autograd history back to a decay tensor that requires grad, or None
+        self.source: Optional[torch.Tensor] = None
         # per-head log values known on the host, or None
         if host is not None and min(host, default=0.0) < LOG_DECAY_MIN:
             host = tuple(max(x, LOG_DECAY_MIN) for x in host)

@@ -1,4 +1,7 @@
-"""An fp64 reference written independently of the library: the masked N x N product."""
+"""An fp64 reference written independently of the library: the masked N x N product.
+
+It is plain torch operations, so autograd differentiates it: the gradient tests compare the
+library's backward with autograd through this function."""
 
 from __future__ import annotations
 
@@ -13,13 +16,14 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Te
     """(output, final state) in float64, on the device of ``q`` (a GPU computes it in seconds).
 
     ``gamma``: per-head factors in (0, 1], shape [H]. Inputs in ``layout``; the output comes back
-    in the same layout, the state as [B, H, Dk, Dv].
+    in the same layout, the state as [B, H, Dk, Dv]. Differentiable with respect to every tensor
+    argument that requires grad (the cast to float64 keeps the autograd history).
     """
     dev = q.device
-    q, k, v = (x.detach().to(dev, torch.float64) for x in (q, k, v))
+    q, k, v = (x.to(dev, torch.float64) for x in (q, k, v))
     if layout == "bnhd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    g = gamma.detach().to(dev, torch.float64)
+    g = gamma.to(dev, torch.float64)
     n = q.shape[2]
     i = torch.arange(n, dtype=torch.float64, device=dev)
     dist = i[:, None] - i[None, :]
@@ -30,7 +34,7 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Te
     w = torch.exp(lg[:, :, 0] * (n - 1 - i))[..., None]  # [H, N, 1]
     state = (k * w).transpose(-1, -2) @ v
     if initial_state is not None:
-        s0 = initial_state.detach().to(dev, torch.float64)
+        s0 = initial_state.to(dev, torch.float64)
         o = o + torch.exp(lg[:, :, 0] * (i + 1))[..., None] * (q @ s0)
         state = state + torch.exp(torch.log(g) * n).view(-1, 1, 1) * s0
     o = o * scale

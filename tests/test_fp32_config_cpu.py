@@ -6,6 +6,7 @@ import torch
 
 import rtkernels
 import rtkernels.api as api
+from rtkernels.autotune.space import Limits, Problem, freeze
 from rtkernels.methods import chunk, kernel_instances
 
 from inputs import make_qkv
@@ -18,7 +19,7 @@ def captured(monkeypatch):
     """The fp32_precision each call hands to run_method (the computation itself is skipped)."""
     seen = []
 
-    def fake_run_method(name, q, k, v, log_decay, scale, out, s0, need_state, torch_only, fp32_precision):
+    def fake_run_method(name, q, k, v, log_decay, scale, out, s0, need_state, fp32_precision="exact"):
         seen.append(fp32_precision)
         out.zero_()
         return None
@@ -68,14 +69,14 @@ def test_f32_config_fits_the_device(limit, dk, dv, expected):
     tile = chunk.f32_config(dk, dv, limit)
     assert tile == expected
     if tile is not None:
-        assert chunk.smem_bytes(tile[0], tile[1], torch.float32, tile[2]) <= limit
+        assert chunk.f32_smem_bytes(*tile) <= limit
 
 
 def test_f32_smem_bytes():
     # q, k tiles 64 x (KMAX + 4), v tile 64 x (BV + 4) per stage, state copy KMAX x (BV + 8), floats
-    assert chunk.smem_bytes(128, 64, torch.float32, 2) == 4 * (2 * (2 * 64 * 132 + 64 * 68) + 128 * 72)
-    assert chunk.smem_bytes(256, 32, torch.float32, 1) == 4 * (2 * 64 * 260 + 64 * 36 + 256 * 40)
-    assert chunk.smem_bytes(128, 64, torch.float32, 2) <= 227 * 1024
+    assert chunk.f32_smem_bytes(128, 64, 2) == 4 * (2 * (2 * 64 * 132 + 64 * 68) + 128 * 72)
+    assert chunk.f32_smem_bytes(256, 32, 1) == 4 * (2 * 64 * 260 + 64 * 36 + 256 * 40)
+    assert chunk.f32_smem_bytes(128, 64, 2) <= 227 * 1024
 
 
 def test_f32_instances_are_compiled_by_the_compile_test():
@@ -98,3 +99,114 @@ def test_kernel_supports_fp32():
     assert not chunk.kernel_supports(torch.zeros(1, 1, 1, 257), v)
     assert not chunk.kernel_supports(q.double(), v.double())
     assert chunk.kernel_supports(q.half(), v.half())
+
+
+# ---- the merge with the launch planner, autotuning and autograd -----------------------------------
+
+def test_precision_reaches_the_forward_of_the_autograd_path(monkeypatch):
+    """With inputs that require grad, the Function's forward gets the call's mode too."""
+    import rtkernels.autograd as rk_autograd
+
+    seen = []
+    real = rk_autograd.run_method
+
+    def spy(*args, fp32_precision="exact", **kwargs):
+        seen.append(fp32_precision)
+        return real(*args, fp32_precision=fp32_precision, **kwargs)
+
+    monkeypatch.setattr(rk_autograd, "run_method", spy)
+    before = torch.get_float32_matmul_precision()
+    try:
+        q = Q.clone().requires_grad_(True)
+        for setting, precision, expected in (("highest", None, "exact"), ("high", None, "tf32"),
+                                             ("high", "exact", "exact"), ("highest", "tf32", "tf32")):
+            torch.set_float32_matmul_precision(setting)
+            rtkernels.causal_linear_attention(q, K, V, 0.9, method="chunk", fp32_precision=precision).sum().backward()
+            assert seen[-1] == expected, (setting, precision)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """The launch planner on the CPU: device 0 is an H200 (132 SMs, 227 KiB, compute capability 9.0)."""
+    monkeypatch.setattr(chunk, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(chunk, "_smem_limit", lambda dev: H200)
+    monkeypatch.setattr(chunk, "_is_sm90", lambda dev: True)
+    chunk._plan.cache_clear()
+    yield
+    chunk._plan.cache_clear()
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_planner_gives_fp32_its_own_kernel(fake_gpu, exact):
+    names = kernel_instances()["chunk.cu"]
+    name, bv, nseg, smem, threads, opts = chunk._plan(torch.float32, 128, 128, True, 128, 4096, 0, (), exact=exact)
+    assert name == f"rtk_chunk_fwd_f32<128, 64, 2, {str(exact).lower()}, true, 1>" and name in names
+    assert (bv, nseg, smem, threads, opts) == (64, 1, chunk.f32_smem_bytes(128, 64, 2), 256, ())
+    # few CTAs, long sequence: segments, one wave of one CTA per SM (202 KiB of shared memory each)
+    name, bv, nseg, _, _, opts = chunk._plan(torch.float32, 128, 128, True, 32, 16384, 0, (), exact=exact)
+    assert name.startswith("rtk_chunk_fwd_f32<") and opts == () and nseg == 132 // 64
+    # KMAX 64, BV 32: two CTAs fit on an SM
+    assert chunk._plan(torch.float32, 64, 32, True, 8, 1 << 16, 0, (), exact=exact)[2] == 2 * 132 // 8
+    # the 16-bit plan is unchanged: the wgmma kernel
+    bf = chunk._plan(torch.bfloat16, 128, 128, True, 128, 4096, 0, ())
+    assert bf[0].startswith("rtk_chunk_fwd<") and bf[5] == chunk.WGMMA_OPTIONS
+
+
+def test_planner_overrides_for_fp32(fake_gpu, monkeypatch):
+    monkeypatch.setattr(chunk, "force_segments", 3)
+    monkeypatch.setattr(chunk, "force_wgmma", True)  # no wgmma variant for fp32: ignored
+    monkeypatch.setattr(chunk, "force_bv", 128)      # BV follows the shared memory: ignored
+    name, bv, nseg, _, _, opts = chunk._plan(torch.float32, 64, 64, False, 2, 1000, 0, chunk._overrides())
+    assert (name, bv, nseg, opts) == ("rtk_chunk_fwd_f32<64, 64, 2, true, false, 1>", 64, 3, ())
+
+
+FP32_PROBLEMS = [Problem(2, 32, 1024, 128, 128, "fp32"), Problem(1, 32, 16384, 128, 128, "fp32"),
+                 Problem(1, 1, 100, 40, 24, "fp32"), Problem(2, 3, 5000, 256, 200, "fp32"),
+                 Problem(8, 16, 2048, 64, 64, "fp32")]
+
+
+@pytest.mark.parametrize("problem", FP32_PROBLEMS, ids=lambda p: p.label())
+def test_fp32_tune_default_is_the_planner(fake_gpu, problem):
+    cfg = chunk.TUNE_SPACE.default(problem, Limits(sms=132, max_smem=H200, cc=(9, 0)))
+    assert cfg["wgmma"] is False
+    assert chunk.TUNE_SPACE.check(problem, cfg, Limits(sms=132, max_smem=H200, cc=(9, 0))) is None
+    plan = chunk._plan(torch.float32, problem.dk, problem.dv, True, problem.bh, problem.n, 0, ())
+    tuned = chunk.tuned_launch(freeze(cfg), torch.float32, problem.dk, problem.dv, True, problem.bh, 132,
+                               True, H200)
+    assert tuned[:3] == plan[:3] and tuned == plan
+
+
+@pytest.mark.parametrize("problem", FP32_PROBLEMS, ids=lambda p: p.label())
+@pytest.mark.parametrize("limit", [H200, A100, SM89])
+def test_fp32_tune_space_never_hands_out_a_16_bit_config(problem, limit):
+    """Every fp32 config the check lets through is an fp32 instance the compile test covers, in
+    both modes; wgmma and BV 128 are pruned with a reason."""
+    names = kernel_instances()["chunk.cu"]
+    limits = Limits(sms=132, max_smem=limit, cc=(9, 0))
+    configs = chunk.TUNE_SPACE.configs(problem, limits)
+    for config, why in configs:
+        if config["wgmma"]:
+            assert why, config
+        elif config["bv"] == 128:
+            assert why == "the mma.sync kernel takes BV 32 or 64"
+        if why:
+            continue
+        for exact in (False, True):
+            for vec in (False, True):
+                name = chunk.tuned_launch(freeze(config), torch.float32, problem.dk, problem.dv, vec, problem.bh,
+                                          132, exact, limit)[0]
+                assert name.startswith("rtk_chunk_fwd_f32<") and name in names, (config, name)
+    assert any(why and "no wgmma variant" in why for _, why in configs)
+
+
+def test_autotuner_candidates_for_fp32_start_with_the_chunk_kernel():
+    """The tuner's mirror of auto_method: on a GPU, fp32 runs the chunk kernel without a store entry."""
+    from rtkernels.autotune import cuda
+
+    assert cuda.heuristic_method(Problem(2, 32, 1024, 128, 128, "fp32")) == "chunk"
+    cands = cuda.candidates(Problem(2, 32, 1024, 128, 128, "fp32"), Limits(sms=132, cc=(9, 0)))
+    assert cands[0][0].method == "chunk" and cands[0][0].default and cands[0][1] is None
+    assert sum(c.method == "chunk" and why is None for c, why in cands) > 1

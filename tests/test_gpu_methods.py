@@ -190,15 +190,21 @@ def test_kernel_on_second_device(method):
 
 @pytest.mark.parametrize("method", KERNEL_METHODS)
 def test_kernel_never_detaches_silently(method):
+    """An input that requires grad keeps the kernel forward (bit for bit the no-grad output) and
+    gets its gradient from the backward (tests/test_gpu_grad.py checks the gradients in detail)."""
     q, k, v = _inputs(1, 2, 100, 32, 32, torch.bfloat16, "bhnd", seed=8)
+    plain = rtkernels.causal_linear_attention(q, k, v, 0.9, method=method)
     q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="no backward"):
-        rtkernels.causal_linear_attention(q, k, v, 0.9, method=method)
-    out = rtkernels.causal_linear_attention(q, k, v, 0.9)  # auto picks a differentiable path
+    assert METHODS[method].uses_kernel(q, v)
+    out = rtkernels.causal_linear_attention(q, k, v, 0.9, method=method)
+    assert out.grad_fn is not None and torch.equal(out, plain)
     out.float().sum().backward()
-    assert q.grad is not None and torch.isfinite(q.grad).all()
+    ref, _ = reference(q, k, v, torch.full((2,), 0.9, dtype=torch.float64))
+    (want,) = torch.autograd.grad(ref.sum(), q)
+    assert q.grad.dtype == torch.bfloat16
+    assert_close(q.grad, want, torch.bfloat16, "dq")
     with torch.no_grad():
-        rtkernels.causal_linear_attention(q, k, v, 0.9, method=method)  # no grad needed: fine
+        assert not rtkernels.causal_linear_attention(q, k, v, 0.9, method=method).requires_grad
 
 
 @pytest.mark.parametrize("segments", [1, 2, 3, 7])

@@ -15,6 +15,7 @@ import torch
 
 from ..decay import LogDecay
 
+from ..autotune import selection
 from ..runtime import kernels_available
 from . import block, chunk, fleet, recursion, scan, vanilla
 from ._torch_common import TorchForward, run_torch_path
@@ -72,10 +73,15 @@ def _kernels_or_warn(device: torch.device) -> bool:
 
 
 def auto_method(q: torch.Tensor, v: torch.Tensor) -> str:
-    """The method ``method="auto"`` picks until the autotuner exists: the tensor-core ``chunk``
-    kernel where it runs (CUDA, fp32/fp16/bf16, Dk and Dv <= 256, and for fp32 shared memory
-    enough for its tiles), else the ``scan`` kernel where it runs, else the batched torch
-    ``chunk`` path."""
+    """The method ``method="auto"`` picks: on CUDA tensors, the one the autotune store names for
+    the call's shape bucket on this GPU (one dict lookup per call); without an entry, the
+    heuristic: the tensor-core ``chunk`` kernel where it runs (CUDA, fp32/fp16/bf16, Dk and
+    Dv <= 256; for fp32 also a tile that fits the GPU's shared memory, e.g. not Dk > 128 on an
+    A100), else the ``scan`` kernel where it runs, else the batched torch ``chunk`` path."""
+    if q.is_cuda:
+        sel = selection(q.get_device(), q.dtype, q.shape[0] * q.shape[1], q.shape[2], q.shape[3], v.shape[3])
+        if sel is not None and sel.method in METHODS:
+            return sel.method
     if METHODS["chunk"].uses_kernel(q, v):
         return "chunk"
     return "scan" if METHODS["scan"].uses_kernel(q, v) else "chunk"
@@ -83,12 +89,13 @@ def auto_method(q: torch.Tensor, v: torch.Tensor) -> str:
 
 def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
-               need_state: bool, torch_only: bool = False, fp32_precision: str = "exact") -> Optional[torch.Tensor]:
-    """Compute into ``out`` (a ``[B, H, N, Dv]`` view) with method ``name`` (its torch path when
-    ``torch_only``); return the final state when ``need_state``. ``fp32_precision`` ("exact" or
-    "tf32") reaches the kernels with fp32 modes (``chunk``); the others ignore it."""
+               need_state: bool, fp32_precision: str = "exact") -> Optional[torch.Tensor]:
+    """Compute into ``out`` (a ``[B, H, N, Dv]`` view) with method ``name`` (its CUDA kernel where it
+    takes the inputs, else its torch path); return the final state when ``need_state``.
+    ``fp32_precision`` ("exact" or "tf32") reaches the kernels with fp32 modes (``chunk``); the
+    others ignore it."""
     m = METHODS[name]
-    if not torch_only and m.uses_kernel(q, v):
+    if m.uses_kernel(q, v):
         if m.fp32_modes:
             return m.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state,
                                     fp32_precision=fp32_precision)

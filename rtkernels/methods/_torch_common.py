@@ -12,12 +12,14 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..decay import LogDecay
 from ..runtime.dtypes import compute_dtype
 
-__all__ = ["decay_powers", "causal_decay_matrix", "causal_apply", "intra_chunk", "inter_chunk",
-           "block_state", "state_update", "carry_state", "zero_state", "TorchForward", "run_torch_path"]
+__all__ = ["decay_powers", "causal_decay_matrix", "causal_mask", "causal_apply", "intra_chunk", "inter_chunk",
+           "block_state", "state_update", "carry_state", "zero_state", "to_chunks", "chunk_end_decays",
+           "scan_chunks", "TorchForward", "run_torch_path"]
 
 
 def _per_head(x: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -42,33 +44,42 @@ def causal_decay_matrix(log_decay: torch.Tensor, n: int, ndim: int = 4) -> torch
     return _per_head(m, ndim - 1)
 
 
-def causal_apply(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``a @ x`` for a lower-triangular ``a`` (``[..., n, n]``), with the causal sum's NaN semantics.
+def causal_apply(a: torch.Tensor, x: torch.Tensor, upper: bool = False) -> torch.Tensor:
+    """``a @ x`` for a lower-triangular ``a`` (``[..., n, n]``), with the causal sum's NaN semantics;
+    with ``upper``, ``a`` is upper-triangular (the transposed, anti-causal sums of a backward pass).
 
     A dense product multiplies the zeros above the diagonal with every row of ``x``, so a NaN (or
     Inf) in row j of ``x`` would leak into the rows i < j, which the causal sum never reaches. Here
     non-finite entries of ``x`` are taken out of the product and put back as NaN into exactly the
-    entries (rows i >= j, same column) that the causal sum reaches.
+    entries (rows i >= j, same column; rows i <= j with ``upper``) that the sum reaches.
     """
     bad = ~torch.isfinite(x)
     clean = torch.where(bad, torch.zeros((), dtype=x.dtype, device=x.device), x)
     out = a @ clean
-    reached = torch.cumsum(bad.to(torch.int32), dim=-2) > 0
+    hits = bad.to(torch.int32)
+    reached = (hits.flip(-2).cumsum(dim=-2).flip(-2) if upper else torch.cumsum(hits, dim=-2)) > 0
     return torch.where(reached, torch.full((), float("nan"), dtype=out.dtype, device=out.device), out)
+
+
+def causal_mask(scores: torch.Tensor, log_decay: torch.Tensor) -> torch.Tensor:
+    """``scores[.., t, s] * gamma^(t-s)`` for s <= t and exactly 0 above the diagonal, ``[..., n, n]``.
+
+    The mask is a select, not a product, so a NaN score stays NaN where the causal sum reaches it
+    (s <= t) and nowhere else.
+    """
+    n = scores.shape[-1]
+    m = causal_decay_matrix(log_decay, n, scores.dim())
+    lower = torch.ones(n, n, dtype=torch.bool, device=scores.device).tril()
+    return torch.where(lower, scores * m, torch.zeros((), dtype=scores.dtype, device=scores.device))
 
 
 def intra_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor) -> torch.Tensor:
     """Within each block of n tokens: sum_{s <= t} gamma^(t-s) (q_t . k_s) v_s, ``[..., n, Dv]``.
 
-    Work O(n^2 (Dk + Dv)), memory O(n^2) per block. The mask is a select, not a product, so a NaN
-    in k_s reaches the rows t >= s only.
+    Work O(n^2 (Dk + Dv)), memory O(n^2) per block. A NaN in k_s reaches the rows t >= s only
+    (see :func:`causal_mask` and :func:`causal_apply`).
     """
-    n = q.shape[-2]
-    m = causal_decay_matrix(log_decay, n, q.dim())
-    lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    scores = q @ k.transpose(-1, -2)
-    a = torch.where(lower, scores * m, torch.zeros((), dtype=scores.dtype, device=scores.device))
-    return causal_apply(a, v)
+    return causal_apply(causal_mask(q @ k.transpose(-1, -2), log_decay), v)
 
 
 def inter_chunk(q: torch.Tensor, state: torch.Tensor, log_decay: torch.Tensor) -> torch.Tensor:
@@ -87,6 +98,52 @@ def state_update(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_deca
     n = k.shape[-2]
     carry = _per_head(torch.exp(log_decay * n)[:, None, None], state.dim() - 1)
     return carry * state + block_state(k, v, log_decay)
+
+
+def to_chunks(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``[B, H, N, D]`` -> ``[B, H, ceil(N / c), c, D]``, the last chunk padded with zero rows
+    (zero rows at the end reach no real row, by causality)."""
+    b, h, n, d = x.shape
+    nc = -(-n // c)
+    return F.pad(x, (0, 0, 0, nc * c - n)).view(b, h, nc, c, d)
+
+
+def chunk_end_decays(log_decay: torch.Tensor, n: int, c: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Decays to the end of each chunk of :func:`to_chunks`, whose real length is L = c (the last
+    one: whatever is left of the n tokens).
+
+    Returns ``(to_end, carry, exponent)``: ``to_end[h, chunk, t, 0] = gamma_h^(L-1-t)`` (for the
+    padded rows t >= L the exponent is taken as 0; they hold zeros), ``carry[h, chunk, 0, 0] =
+    gamma_h^L``, and ``exponent`` the int64 ``[chunks, c]`` of L-1-t (0 on the padded rows). All
+    exponents are non-negative.
+    """
+    nc = -(-n // c)
+    dev = log_decay.device
+    lengths = (n - c * torch.arange(nc, device=dev)).clamp(max=c)               # L per chunk
+    exponent = (lengths[:, None] - 1 - torch.arange(c, device=dev)[None, :]).clamp(min=0)
+    lg = log_decay.view(-1, 1, 1)
+    to_end = torch.exp(lg * exponent.to(log_decay.dtype))[..., None]
+    carry = torch.exp(lg[:, :, 0] * lengths.to(log_decay.dtype))[..., None, None]
+    return to_end, carry, exponent
+
+
+def scan_chunks(first: torch.Tensor, own: torch.Tensor, carry: torch.Tensor,
+                reverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state recurrence over chunks: ``X = first``, then for each chunk c in order (from the
+    last to the first with ``reverse``) ``X <- carry_c * X + own_c``.
+
+    ``first``: ``[B, H, Dk, Dv]``; ``own``: ``[B, H, chunks, Dk, Dv]``; ``carry``: ``[H, chunks, 1, 1]``.
+    Returns ``(entering, last)``: the state entering each chunk, ``[B, H, chunks, Dk, Dv]`` in chunk
+    order, and the state after the last chunk processed. Work O(chunks Dk Dv), sequential in chunks.
+    """
+    nc = own.shape[2]
+    order = range(nc - 1, -1, -1) if reverse else range(nc)
+    entering: list[Optional[torch.Tensor]] = [None] * nc
+    state = first
+    for c in order:
+        entering[c] = state
+        state = carry[:, c] * state + own[:, :, c]
+    return torch.stack(entering, dim=2), state
 
 
 #: A torch path: (q, k, v, log_decay, initial_state or None) -> (output, final state or None),

@@ -22,6 +22,8 @@ from ..decay import LogDecay
 
 import functools
 
+from ..autotune import tuned_config
+from ..autotune.space import Limits, Problem, Space
 from ..runtime import dtype_code, get_function, launch
 from ._launch import fwd_args, operands
 from ._torch_common import inter_chunk, intra_chunk, state_update, zero_state
@@ -67,11 +69,33 @@ def smem_bytes(kmax: int, bv: int, c: int) -> int:
     return 4 * (2 * c * (kmax + 1) + c * bv + c * (c + 1) + kmax * bv + c)
 
 
+def _tune_check(p: Problem, config: dict, limits: Limits) -> Optional[str]:
+    kmax = kernel_config(p.torch_dtype, p.dk, p.dv)[1]
+    if config["bv"] > 32 and p.dv <= 32:
+        return "BV wider than Dv"
+    need = smem_bytes(kmax, config["bv"], _C)
+    return f"needs {need} B of shared memory, the GPU gives {limits.max_smem}" if need > limits.max_smem else None
+
+
+#: The autotuner's space (rtkernels.autotune): the tile of value columns BV.
+TUNE_SPACE = Space(params={"bv": (32, 64)}, default=lambda p, limits: {"bv": kernel_config(p.torch_dtype, p.dk, p.dv)[2]},
+                   check=_tune_check)
+
+
 @functools.lru_cache(maxsize=None)
-def _launch_config(dtype: torch.dtype, dk: int, dv: int) -> tuple[str, int, int]:
+def _launch_config(dtype: torch.dtype, dk: int, dv: int, tuned: Optional[tuple] = None) -> tuple[str, int, int]:
     config = kernel_config(dtype, dk, dv)
+    if tuned:
+        config = tuned_launch(tuned, config)
     _, kmax, bv, c, nt = config
     return name_expression(config), bv, smem_bytes(kmax, bv, c), nt
+
+
+def tuned_launch(config: tuple, template: tuple) -> tuple:
+    """The autotuner's adapter: a tuned config (sorted ``(name, value)`` pairs of TUNE_SPACE) applied
+    to the heuristic's template arguments (DT, KMAX, BV, C, NT)."""
+    c = dict(config)
+    return (template[0], template[1], c["bv"], *template[3:])
 
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
@@ -80,8 +104,8 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     b, h, n, dk = q.shape
     dv = v.shape[-1]
     q, k, v, s0, final = operands(q, k, v, initial_state, need_state)
-    name, bv, smem, nt = _launch_config(q.dtype, dk, dv)
     dev = q.device.index
+    name, bv, smem, nt = _launch_config(q.dtype, dk, dv, tuned_config("block", dev, q.dtype, b * h, n, dk, dv) or None)
     fn = get_function(SOURCE, name, dev, dynamic_smem=smem)
     launch(fn, (b * h, -(-dv // bv), 1), (nt, 1, 1), fwd_args(q, k, v, out, log_decay, s0, final, scale),
            dev, shared_mem=smem)

@@ -3,7 +3,7 @@
 With chunks of C tokens and S_c the state entering chunk c:
 
     O_c[t]  = gamma^(t+1) q_t S_c + sum_{s <= t} gamma^(t-s) (q_t . k_s) v_s
-    S_{c+1} = gamma^C S_c + sum_s gamma^(C-1-s) k_s^T v_s
+    S_{c+1} = gamma^L S_c + sum_s gamma^(L-1-s) k_s^T v_s      (L = C, the last chunk: what is left)
 
 Only non-negative powers of gamma appear, so it is safe for every gamma in (0, 1] and any N.
 The torch path computes every chunk's masked product and own state in batched products, then
@@ -19,7 +19,10 @@ fp32 inputs run ``rtk_chunk_fwd_f32`` in the same file: the same algorithm and w
 tensor cores (mma.sync m16n8k8, fp32 tiles in shared memory). ``fp32_precision="exact"`` splits
 every operand x into hi = tf32(x) and lo = tf32(x - hi) and forms each product as
 hi*lo' + lo*hi' + hi*hi' (3xTF32: about fp32 accuracy); ``"tf32"`` uses
-one TF32 product (relative error ~1e-3, faster). fp64 inputs run the torch path.
+one TF32 product (relative error ~1e-3, faster). It takes the same arguments, so the launch
+planner's split-sequence strategy (segments, ``rtk_chunk_seg_scan``) serves it too; it has no
+wgmma variant, and its tile (BV, stages) follows the GPU's shared memory. fp64 inputs run the
+torch path.
 """
 
 from __future__ import annotations
@@ -28,14 +31,15 @@ from typing import Optional
 
 import torch
 
-from ..decay import LogDecay
-import torch.nn.functional as F
-
 import functools
+import os
 
+from ..autotune import tuned_config
+from ..autotune.space import Limits, Problem, Space
+from ..decay import LogDecay
 from ..runtime import dtype_code, get_function, launch
 from ._launch import fwd_args, operands
-from ._torch_common import block_state, inter_chunk, intra_chunk, state_update, zero_state
+from ._torch_common import chunk_end_decays, inter_chunk, intra_chunk, scan_chunks, to_chunks, zero_state
 
 SOURCE = "chunk.cu"
 #: Largest Dk and Dv the kernel takes.
@@ -46,30 +50,15 @@ CHUNK_KERNEL = 64  # tokens per chunk of the kernel (8 warps: 4 output warps x 1
 CHUNK = 64
 
 
-def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
+def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
                   initial_state: Optional[torch.Tensor], need_state: bool):
-    b, h, n, dk = q.shape
-    dv = v.shape[-1]
-    nc = -(-n // CHUNK)
-    # Zero rows appended at the end change no real output; the final state is taken before them.
-    qc, kc, vc = (F.pad(x, (0, 0, 0, nc * CHUNK - n)).view(b, h, nc, CHUNK, x.shape[-1])
-                  for x in (q, k, v))
-    own = block_state(kc, vc, log_decay)                        # [B, H, nc, Dk, Dv]
-    carry = torch.exp(log_decay * CHUNK).view(-1, 1, 1)
-    state = zero_state(q, v, initial_state)
-    entering = []
-    for c in range(nc):
-        entering.append(state)
-        if c + 1 < nc:
-            state = carry * state + own[:, :, c]
-    states = torch.stack(entering, dim=2)                       # S_c for every chunk
+    b, h, n, _ = q.shape
+    qc, kc, vc = (to_chunks(x, CHUNK) for x in (q, k, v))      # [B, H, nc, C, D], zero-padded
+    to_end, carry, _ = chunk_end_decays(log_decay, n, CHUNK)
+    own = (kc * to_end).transpose(-1, -2) @ vc                  # sum_s gamma^(L-1-s) k_s^T v_s
+    states, final = scan_chunks(zero_state(q, v, initial_state), own, carry)  # S_c for every chunk
     o = intra_chunk(qc, kc, vc, log_decay) + inter_chunk(qc, states, log_decay)
-    o = o.reshape(b, h, nc * CHUNK, dv)[:, :, :n]
-    final = None
-    if need_state:
-        last = (nc - 1) * CHUNK
-        final = state_update(state, k[:, :, last:], v[:, :, last:], log_decay)
-    return o, final
+    return o.reshape(b, h, -1, v.shape[-1])[:, :, :n], (final if need_state else None)
 
 
 def kernel_supports(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -81,19 +70,32 @@ def kernel_supports(q: torch.Tensor, v: torch.Tensor) -> bool:
     return q.dtype in (torch.float16, torch.bfloat16)
 
 
+def _kmax(dk: int) -> int:
+    """KMAX of both kernels: the smallest of 64, 128, 256 that holds Dk."""
+    return 64 if dk <= 64 else 128 if dk <= 128 else 256
+
+
 def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, ctas: int = 0, sms: int = 1,
-                  exact: bool = True, smem_limit: int = 0) -> tuple:
-    """Template arguments (DT, KMAX, BV, VEC, MINB) of ``rtk_chunk_fwd`` for a grid of ``ctas``
-    CTAs on a GPU with ``sms`` multiprocessors. For float32: (0, KMAX, BV, STAGES, EXACT, VEC,
-    MINB) of ``rtk_chunk_fwd_f32`` (see :func:`f32_config`), or None when no configuration fits
-    ``smem_limit`` bytes of shared memory per CTA (0: the limit of an H100/H200)."""
+                  wgmma: bool = False, bv: Optional[int] = None, exact: bool = True,
+                  smem_limit: int = 0) -> Optional[tuple]:
+    """Template arguments (DT, KMAX, BV, VEC, MINB, WG) of ``rtk_chunk_fwd`` for a grid of ``ctas``
+    CTAs on a GPU with ``sms`` multiprocessors; ``wgmma``: the GPU runs sm_90a code (Hopper), so
+    the wgmma output warpgroup is used where Dk <= 128; ``bv``: the value-tile width (the wgmma
+    kernel takes 64 or 128).
+
+    For float32: (DT, KMAX, BV, STAGES, EXACT, VEC, MINB) of ``rtk_chunk_fwd_f32`` (see
+    :func:`f32_config`; ``bv`` given: that width, with the stages that fit), or None when no tile
+    fits ``smem_limit`` bytes of shared memory per CTA (0: the limit of an H100/H200). It has no
+    wgmma variant (``wgmma`` is ignored) and always takes MINB 1."""
     if dtype == torch.float32:
-        tile = f32_config(dk, dv, smem_limit or SMEM_LIMIT_SM90)
+        tile = f32_config(dk, dv, smem_limit or SMEM_LIMIT_SM90, bv)
         return None if tile is None else (dtype_code(dtype), *tile, exact, vec, 1)
-    kmax = 64 if dk <= 64 else 128 if dk <= 128 else 256
-    bv = 32 if kmax == 256 or dv <= 32 else 64
-    minb = 1 if ctas <= sms else 2
-    return dtype_code(dtype), kmax, bv, vec, minb
+    kmax = _kmax(dk)
+    wg = wgmma and kmax <= 128
+    if wg:  # one CTA per SM: the wgmma kernel needs more than 128 registers a thread
+        return dtype_code(dtype), kmax, bv or 64, vec, 1, True
+    bv = bv or (32 if kmax == 256 or dv <= 32 else 64)
+    return dtype_code(dtype), kmax, bv, vec, 1 if ctas <= sms else 2, False
 
 
 #: Kernels of chunk.cu that take no template arguments.
@@ -101,24 +103,43 @@ EXTRA_KERNELS = ("rtk_chunk_seg_scan",)
 
 
 def all_configs() -> list[tuple]:
-    return sorted({kernel_config(dt, dk, dv, vec, ctas) for dt in (torch.float16, torch.bfloat16)
-                   for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True) for ctas in (1, 2)}
-                  | _f32_configs())
+    plain = {kernel_config(dt, dk, dv, vec, ctas, 1) for dt in (torch.float16, torch.bfloat16)
+             for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True) for ctas in (1, 2)}
+    wg = {kernel_config(dt, dk, 128, vec, 1, 1, True, bv) for dt in (torch.float16, torch.bfloat16)
+          for dk in (64, 128) for vec in (False, True) for bv in (64, 128)}
+    return sorted(plain | wg | _f32_configs())
+
+
+def _is_f32(config: tuple) -> bool:
+    return config[0] == dtype_code(torch.float32)
 
 
 def name_expression(config: tuple) -> str:
-    if config[0] == dtype_code(torch.float32):
+    if _is_f32(config):
         return "rtk_chunk_fwd_f32<" + ", ".join(str(c).lower() for c in config[1:]) + ">"
     return "rtk_chunk_fwd<" + ", ".join(str(c).lower() for c in config) + ">"
 
 
-def smem_bytes(kmax: int, bv: int, dtype: torch.dtype = torch.bfloat16, stages: int = 2) -> int:
-    """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in chunk.cu), or for
-    float32 of ``rtk_chunk_fwd_f32`` with ``stages`` stages (mirrors rtk_chunk_f32_smem)."""
+def smem_bytes(kmax: int, bv: int, wg: bool = False) -> int:
+    """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in chunk.cu)."""
     c = CHUNK_KERNEL
-    if dtype == torch.float32:
-        return 4 * (stages * (2 * c * (kmax + 4) + c * (bv + 4)) + kmax * (bv + 8))
+    if wg:  # 128-byte-swizzled tiles without padding, + slack to align the base to 1024 bytes
+        return 2 * (2 * (2 * c * kmax + c * bv) + kmax * bv) + 32 + 1024
     return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + kmax * (bv + 8)) + 32
+
+
+def f32_smem_bytes(kmax: int, bv: int, stages: int = 2) -> int:
+    """Dynamic shared memory of ``rtk_chunk_fwd_f32`` with ``stages`` stages (mirrors
+    rtk_chunk_f32_smem in chunk.cu)."""
+    c = CHUNK_KERNEL
+    return 4 * (stages * (2 * c * (kmax + 4) + c * (bv + 4)) + kmax * (bv + 8))
+
+
+def config_smem(config: tuple) -> int:
+    """Dynamic shared memory of a :func:`kernel_config` template, either kernel."""
+    if _is_f32(config):
+        return f32_smem_bytes(config[1], config[2], config[3])
+    return smem_bytes(config[1], config[2], config[5])
 
 
 # ---- float32: tiles that fit the device's shared memory ------------------------------------------
@@ -129,28 +150,40 @@ SMEM_LIMIT_SM90 = 227 * 1024
 SMEM_LIMITS_OTHER = (163 * 1024, 99 * 1024)
 
 
-def f32_config(dk: int, dv: int, smem_limit: int) -> Optional[tuple[int, int, int]]:
+def f32_stages(kmax: int, bv: int, smem_limit: int) -> Optional[int]:
+    """Stages of q/k/v tiles of ``rtk_chunk_fwd_f32`` with this tile: 2 where they fit
+    ``smem_limit`` bytes, else 1, else None."""
+    return next((st for st in (2, 1) if f32_smem_bytes(kmax, bv, st) <= smem_limit), None)
+
+
+def f32_config(dk: int, dv: int, smem_limit: int, bv: Optional[int] = None) -> Optional[tuple[int, int, int]]:
     """(KMAX, BV, STAGES) of ``rtk_chunk_fwd_f32`` for these head sizes: KMAX the smallest of 64,
     128, 256 that holds Dk; 64 value columns per CTA (32 when Dv <= 32 or KMAX = 256), two stages
     of q/k/v tiles. Where that does not fit ``smem_limit`` bytes: 32 value columns, then a single
-    stage. None when nothing fits (e.g. KMAX = 256 below ~180 KB)."""
-    kmax = 64 if dk <= 64 else 128 if dk <= 128 else 256
+    stage. None when nothing fits (e.g. KMAX = 256 below ~180 KB). With ``bv`` given (a tuned
+    width): that width with the stages that fit (:func:`f32_stages`)."""
+    kmax = _kmax(dk)
+    if bv is not None:
+        stages = f32_stages(kmax, bv, smem_limit)
+        return None if stages is None else (kmax, bv, stages)
     bv = 32 if kmax == 256 or dv <= 32 else 64
     for tile in ((bv, 2), (32, 2), (bv, 1), (32, 1)):
-        if smem_bytes(kmax, tile[0], torch.float32, tile[1]) <= smem_limit:
+        if f32_smem_bytes(kmax, *tile) <= smem_limit:
             return kmax, *tile
     return None
 
 
 def _f32_configs() -> set[tuple]:
-    """Every float32 instance kernel_config can ask for on the devices of SMEM_LIMIT_*."""
+    """Every float32 instance the heuristic (:func:`f32_config`) or a tuned width (BV 32 or 64,
+    :data:`TUNE_SPACE`) can ask for on the devices of SMEM_LIMIT_*: each tile with the stages
+    that fit, in both modes, with and without VEC."""
     out = set()
     for limit in (SMEM_LIMIT_SM90, *SMEM_LIMITS_OTHER):
-        for dk in (64, 128, 256):
-            for dv in (32, 64):
+        for kmax in (64, 128, 256):
+            for bv in ((32,) if kmax == 256 else (32, 64)):
                 for vec in (False, True):
                     for exact in (False, True):
-                        c = kernel_config(torch.float32, dk, dv, vec, exact=exact, smem_limit=limit)
+                        c = kernel_config(torch.float32, kmax, bv, vec, bv=bv, exact=exact, smem_limit=limit)
                         if c is not None:
                             out.add(c)
     return out
@@ -180,32 +213,161 @@ def _sm_count(dev: int) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
-@functools.lru_cache(maxsize=1024)
-def _launch_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, dev: int,
-                   exact: bool = True) -> tuple[str, int, int, int]:
-    if dtype == torch.float32:
-        config = kernel_config(dtype, dk, dv, vec, exact=exact, smem_limit=_smem_limit(dev))
-        _, kmax, bv, stages = config[:4]
-        return name_expression(config), bv, smem_bytes(kmax, bv, dtype, stages), 256
-    bv = kernel_config(dtype, dk, dv, vec)[2]
-    config = kernel_config(dtype, dk, dv, vec, bh * -(-dv // bv), _sm_count(dev))
-    return name_expression(config), bv, smem_bytes(config[1], bv), 256
+@functools.lru_cache(maxsize=None)
+def _is_sm90(dev: int) -> bool:
+    return torch.cuda.get_device_capability(dev) == (9, 0) and os.environ.get("RTKERNELS_NO_WGMMA") != "1"
 
 
-#: Number of sequence segments to use, overriding the heuristic (None: heuristic). For tests and
-#: tuning; the autotuner will own this choice.
+def _wgmma_ok(dev: int) -> bool:
+    """Whether the wgmma kernel may run on device ``dev``: compute capability 9.0 exactly (sm_90a
+    code runs on no other), unless RTKERNELS_NO_WGMMA=1 or ``force_wgmma`` says otherwise."""
+    return _is_sm90(dev) if force_wgmma is None else force_wgmma
+
+
+#: Compiler options of the wgmma instances (Hopper-specific code).
+WGMMA_OPTIONS = ("-arch=sm_90a",)
+
+
+#: Overrides for tests and tuning (None: the heuristic): the number of sequence segments, the
+#: wgmma kernel on or off, the value-tile width BV. The autotuner will own these choices.
+#: float32 inputs take ``force_segments`` only (their kernel has no wgmma variant, and its BV
+#: follows the shared memory).
 force_segments: Optional[int] = None
+force_wgmma: Optional[bool] = None
+force_bv: Optional[int] = None
 
 
-def segments_for(bh_tiles: int, n: int, sms: int) -> int:
+def _overrides() -> tuple:
+    return (force_segments, force_wgmma, force_bv)
+
+
+def segments_for(bh_tiles: int, n: int, sms: int, ctas_per_sm: int = 2) -> int:
     """The split-sequence heuristic: when the (batch, head, value-tile) CTAs fill at most half the
-    multiprocessors, split the sequence into segments of at least 8 chunks, as many as fit in one
-    wave of two CTAs per multiprocessor (the extra states pass costs less than idle
-    multiprocessors; a second, partial wave costs more). Measured on an H200 at (1, 32, 16384,
-    128) bf16: 1 segment 0.95 ms, 4 segments 0.51 ms, 5 segments (a partial second wave) 0.77 ms."""
-    if 2 * bh_tiles > sms:
+    multiprocessors and the sequence holds at least 2048 tokens, split it into segments of at least
+    8 chunks, as many as fit in one wave of ``ctas_per_sm`` CTAs per multiprocessor (the extra
+    states pass costs less than idle multiprocessors; a second, partial wave costs more).
+    Measured on an H200 at (1, 32, 16384, 128) bf16, mma.sync kernel: 1 segment 0.95 ms,
+    4 segments 0.51 ms, 5 segments (a partial second wave) 0.77 ms."""
+    if 2 * bh_tiles > sms or n < 2048:
         return 1
-    return max(1, min(2 * sms // bh_tiles, n // (8 * CHUNK_KERNEL)))
+    return max(1, min(ctas_per_sm * sms // bh_tiles, n // (8 * CHUNK_KERNEL)))
+
+
+def ctas_per_sm(dtype: torch.dtype, dk: int, bv: int, wg: bool, smem_limit: int) -> int:
+    """CTAs that share a multiprocessor, for :func:`segments_for`: the wgmma kernel 1 (its
+    registers), the 16-bit mma.sync kernel 2; the float32 kernel 2 when two of its CTAs fit
+    ``smem_limit`` bytes of shared memory (KMAX 64, BV 32), else 1."""
+    if wg:
+        return 1
+    if dtype != torch.float32:
+        return 2
+    kmax = _kmax(dk)
+    stages = f32_stages(kmax, bv, smem_limit)
+    return 2 if stages is not None and 2 * f32_smem_bytes(kmax, bv, stages) <= smem_limit else 1
+
+
+def value_tile(dv: int, bh: int, n: int, sms: int) -> int:
+    """The value-tile width BV. The wgmma kernel takes 128 (q k^T shared by all Dv <= 128 value
+    columns, one CTA per SM) when Dv > 64 and the (batch, head) CTAs fill at least 3/4 of the SMs
+    or the sequence is split anyway, else 64 (twice the CTAs for a grid that would leave SMs
+    idle). Measured on an H200, bf16, D = 128: (4, 32, 4096) BV 128 0.243 ms, BV 64 0.313 ms;
+    (2, 32, 1024) BV 64 0.053 ms, BV 128 0.067 ms; (1, 32, 16384) BV 128 x 4 segments 0.375 ms,
+    BV 64 x 4 segments 0.482 ms."""
+    t128 = bh * -(-dv // 128)
+    return 128 if dv > 64 and (4 * t128 >= 3 * sms or (2 * t128 <= sms and n >= 2048)) else 64
+
+
+def _default_bv(dtype: torch.dtype, dk: int, dv: int, smem_limit: int) -> int:
+    """BV of the mma.sync kernels' heuristic (float32: the widest tile that fits, 32 if none)."""
+    if dtype == torch.float32:
+        tile = f32_config(dk, dv, smem_limit)
+        return 32 if tile is None else tile[1]
+    return kernel_config(dtype, dk, dv, True)[2]
+
+
+def _launch_of(config: Optional[tuple], nseg: int) -> tuple[str, int, int, int, int, tuple]:
+    """(name expression, BV, segments, dynamic shared memory, threads, compiler options) of a
+    :func:`kernel_config` template."""
+    if config is None:
+        raise ValueError("no rtk_chunk_fwd_f32 tile fits this GPU's shared memory")
+    wg = not _is_f32(config) and config[5]
+    return name_expression(config), config[2], nseg, config_smem(config), 256, WGMMA_OPTIONS if wg else ()
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: int, dev: int,
+          _key: tuple = (), exact: bool = True) -> tuple[str, int, int, int, int, tuple]:
+    """(name expression, BV, segments, dynamic shared memory, threads, compiler options);
+    ``exact``: the float32 kernel's mode (3xTF32, else TF32)."""
+    wg = dtype != torch.float32 and _wgmma_ok(dev) and dk <= 128
+    sms, limit = _sm_count(dev), _smem_limit(dev)
+    bv = (force_bv or value_tile(dv, bh, n, sms)) if wg else _default_bv(dtype, dk, dv, limit)
+    tiles = bh * -(-dv // bv)
+    nseg = force_segments or segments_for(tiles, n, sms, ctas_per_sm(dtype, dk, bv, wg, limit))
+    return _launch_of(kernel_config(dtype, dk, dv, vec, tiles * nseg, sms, wg, bv, exact, limit), nseg)
+
+
+def _launch_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, dev: int, n: int = 4096,
+                   exact: bool = True):
+    """(name expression, BV, dynamic shared memory, threads, compiler options) of the fused pass."""
+    name, bv, _, smem, threads, opts = _plan(dtype, dk, dv, vec, bh, n, dev, _overrides(), exact=exact)
+    return name, bv, smem, threads, opts
+
+
+def _tune_default(p: Problem, limits: Limits) -> dict:
+    """The heuristic (:func:`_plan`'s choices) as a tuning config."""
+    dt = p.torch_dtype
+    wg = dt != torch.float32 and limits.cc == (9, 0) and p.dk <= 128
+    bv = value_tile(p.dv, p.bh, p.n, limits.sms) if wg else _default_bv(dt, p.dk, p.dv, limits.max_smem)
+    nseg = segments_for(p.bh * -(-p.dv // bv), p.n, limits.sms, ctas_per_sm(dt, p.dk, bv, wg, limits.max_smem))
+    nseg = -(-p.n // (-(-p.n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL))
+    return {"wgmma": wg, "bv": bv, "segments": nseg}
+
+
+def _tune_check(p: Problem, config: dict, limits: Limits) -> Optional[str]:
+    kmax = _kmax(p.dk)
+    f32 = p.torch_dtype == torch.float32
+    wg, bv, nseg = config.get("wgmma", False), config["bv"], config["segments"]
+    if wg and f32:
+        return "the fp32 kernel (TF32 mma.sync) has no wgmma variant"
+    if wg and (kmax > 128 or bv < 64 or limits.cc != (9, 0)):
+        return "the wgmma kernel takes Dk <= 128 and BV 64 or 128, on compute capability 9.0"
+    if not wg and bv > 64:
+        return "the mma.sync kernel takes BV 32 or 64"
+    if kmax == 256 and bv > 32:
+        return "KMAX 256 with BV 64 needs more registers than a thread has"
+    if bv > 32 and p.dv <= 32:
+        return "BV wider than Dv"
+    need = f32_smem_bytes(kmax, bv, 1) if f32 else smem_bytes(kmax, bv, wg)  # fp32: one stage at least
+    if need > limits.max_smem:
+        return f"needs {need} B of shared memory, the GPU gives {limits.max_smem}"
+    seg_len = -(-p.n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
+    if nseg > 1 and -(-p.n // seg_len) != nseg:
+        return f"N = {p.n} gives fewer than {nseg} segments"
+    if nseg > 1 and seg_len < 4 * CHUNK_KERNEL:
+        return "segments shorter than 4 chunks"
+    return None
+
+
+#: The autotuner's space (rtkernels.autotune): the wgmma kernel or the mma.sync one, the tile width
+#: BV and the number of sequence segments; KMAX follows Dk, VEC the operands' alignment, MINB the grid.
+#: float32 problems get the part of it their kernel runs (no wgmma, BV 32 or 64; the stages follow
+#: the shared memory), the rest is pruned with a reason by the check.
+TUNE_SPACE = Space(params={"wgmma": (False, True), "bv": (32, 64, 128),
+                           "segments": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)},
+                   default=_tune_default, check=_tune_check)
+
+
+@functools.lru_cache(maxsize=1024)
+def tuned_launch(config: tuple, dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int = 1,
+                 sms: int = 1, exact: bool = True, smem_limit: int = 0) -> tuple[str, int, int, int, int, tuple]:
+    """The autotuner's adapter: a tuned config (sorted ``(name, value)`` pairs of TUNE_SPACE) ->
+    (name expression, BV, segments, dynamic shared memory, threads, compiler options). float32:
+    ``exact`` is the mode, and the stages follow ``smem_limit`` (0: an H100/H200's)."""
+    c = dict(config)
+    wg, bv, nseg = bool(c.get("wgmma", False)), c["bv"], c["segments"]
+    return _launch_of(kernel_config(dtype, dk, dv, vec, bh * -(-dv // bv) * nseg, sms, wg, bv, exact,
+                                    smem_limit), nseg)
 
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
@@ -222,16 +384,16 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     dev = q.device.index
     bh = b * h
     exact = fp32_precision != "tf32"
-    if q.dtype == torch.float32:
-        bv = _launch_config(q.dtype, dk, dv, vec, bh, dev, exact)[1]
+    tuned = tuned_config("chunk", dev, q.dtype, bh, n, dk, dv)  # None: no store entry
+    if tuned and force_segments is None and force_wgmma is None and force_bv is None:
+        name, bv, nseg, smem, threads, opts = tuned_launch(tuned, q.dtype, dk, dv, vec, bh, _sm_count(dev),
+                                                           exact, _smem_limit(dev))
     else:
-        bv = kernel_config(q.dtype, dk, dv, vec)[2]
+        name, bv, nseg, smem, threads, opts = _plan(q.dtype, dk, dv, vec, bh, n, dev, _overrides(), exact=exact)
     tiles = -(-dv // bv)
-    nseg = force_segments or segments_for(bh * tiles, n, _sm_count(dev))
     seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
     nseg = -(-n // seg_len)
-    name, _, smem, threads = _launch_config(q.dtype, dk, dv, vec, bh * nseg, dev, exact)
-    fn = get_function(SOURCE, name, dev, dynamic_smem=smem)
+    fn = get_function(SOURCE, name, dev, extra_options=opts, dynamic_smem=smem)
     grid = (bh, tiles, nseg)
     args = fwd_args(q, k, v, out, log_decay, s0, final, scale)
     if nseg == 1:

@@ -25,6 +25,8 @@ import torch
 
 from ..decay import LogDecay
 
+from ..autotune import tuned_config
+from ..autotune.space import Limits, Problem, Space
 from ..runtime import dtype_code, get_function, launch
 from . import scan
 from ._torch_common import causal_apply, causal_decay_matrix, decay_powers, zero_state
@@ -65,12 +67,25 @@ def name_expression(config: tuple[int, ...]) -> str:
     return f"rtk_fleet_reduce<{config[0]}>"
 
 
+#: The autotuner's space (rtkernels.autotune): state rows (ranks) per CTA.
+TUNE_SPACE = Space(params={"rank_tile": (32, 64, 128)},
+                   default=lambda p, limits: {"rank_tile": RANK_TILE},
+                   check=lambda p, c, limits: "no more rows than Dk" if c["rank_tile"] > max(32, p.dk) else None)
+
+
+def tuned_launch(config: tuple) -> int:
+    """The autotuner's adapter: a tuned config (sorted ``(name, value)`` pairs) -> the rank tile."""
+    return dict(config)["rank_tile"]
+
+
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool) -> Optional[torch.Tensor]:
     """Rank tiles on separate CTAs, then the fixed-order reduction over tiles."""
+    tuned = tuned_config("fleet", q.get_device(), q.dtype, q.shape[0] * q.shape[1], q.shape[2], q.shape[3],
+                         v.shape[3])
     partial, final = scan.launch_state_scan(q, k, v, log_decay, scale, out, initial_state, need_state,
-                                            rank_tile=RANK_TILE)
+                                            rank_tile=tuned_launch(tuned) if tuned else RANK_TILE)
     if partial is not None:
         tiles, bh, n, dv = partial.shape
         dev = q.device.index

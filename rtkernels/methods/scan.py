@@ -18,6 +18,8 @@ import torch
 
 from ..decay import LogDecay
 
+from ..autotune import tuned_config
+from ..autotune.space import Limits, Problem, Space
 from ..runtime import dtype_code, get_function, launch
 from ._launch import fwd_args, operands
 from ._torch_common import zero_state
@@ -49,10 +51,44 @@ def kernel_config(dtype: torch.dtype, rows: int) -> tuple[int, int, int, int, in
     return dtype_code(dtype), kmax, 32, t, nt
 
 
+def static_smem_bytes(kmax: int, bv: int, t: int, nt: int) -> int:
+    """Static shared memory of ``rtk_scan_fwd`` (sq, sk, sv, spart in scan.cu)."""
+    return 4 * (2 * t * kmax + t * bv + (nt // bv) * t * (bv + 1))
+
+
+def _tune_default(p: Problem, limits: Limits) -> dict:
+    """Today's heuristic (``kernel_config``) as a tuning config."""
+    _, _, _, t, nt = kernel_config(p.torch_dtype, p.dk)
+    return {"t": t, "nt": nt}
+
+
+def _tune_valid(kmax: int, t: int, nt: int, static_limit: int = 48 * 1024) -> Optional[str]:
+    bv = 32
+    if nt % bv or kmax % (nt // bv):
+        return f"{nt} threads do not split {kmax} state rows"
+    if static_smem_bytes(kmax, bv, t, nt) > static_limit:
+        return f"needs {static_smem_bytes(kmax, bv, t, nt)} B of static shared memory"
+    return None
+
+
+def _tune_check(p: Problem, config: dict, limits: Limits) -> Optional[str]:
+    if config["nt"] > limits.max_threads:
+        return f"{config['nt']} threads per CTA"
+    return _tune_valid(kernel_config(p.torch_dtype, p.dk)[1], config["t"], config["nt"], limits.static_smem)
+
+
+#: The autotuner's space (rtkernels.autotune): tokens per staged group T and threads per CTA NT;
+#: KMAX follows Dk, BV is 32.
+TUNE_SPACE = Space(params={"t": (8, 16), "nt": (128, 256)}, default=_tune_default, check=_tune_check)
+
+
 def all_configs() -> list[tuple[int, int, int, int, int]]:
-    """Every template instance :func:`kernel_config` can ask for (the CI compile test uses it)."""
-    return sorted({kernel_config(dt, km) for dt in (torch.float32, torch.float16, torch.bfloat16)
-                   for km in _KMAX})
+    """Every template instance :func:`kernel_config` or :data:`TUNE_SPACE` can ask for (the CI
+    compile test uses it)."""
+    dts = (torch.float32, torch.float16, torch.bfloat16)
+    tuned = {(dtype_code(dt), km, 32, t, nt) for dt in dts for km in _KMAX for t in TUNE_SPACE.params["t"]
+             for nt in TUNE_SPACE.params["nt"] if _tune_valid(km, t, nt) is None}
+    return sorted({kernel_config(dt, km) for dt in dts for km in _KMAX} | tuned)
 
 
 def name_expression(config: tuple[int, ...]) -> str:
@@ -66,18 +102,20 @@ def kernel_supports(q: torch.Tensor, v: torch.Tensor) -> bool:
 
 def launch_state_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                       scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
-                      need_state: bool, rank_tile: int = MAX_DIM) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                      need_state: bool, rank_tile: int = MAX_DIM,
+                      tuned: Optional[tuple] = None) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Launch ``rtk_scan_fwd`` on ``[B, H, N, D]`` views (any strides, unit stride along D).
 
     The Dk state rows are split into tiles of at most ``rank_tile`` rows, one CTA each. With one
     tile the kernel writes ``out``; with several it returns ``(partial, final_state)`` where
     ``partial`` is the fp32 ``[tiles, B*H, N, Dv]`` workspace of per-tile outputs (unscaled) for
-    the fleet reduction. Returns ``(None, final_state)`` otherwise.
+    the fleet reduction. Returns ``(None, final_state)`` otherwise. ``tuned``: a config of
+    :data:`TUNE_SPACE` (sorted pairs) instead of the heuristic's T and NT.
     """
     b, h, n, dk = q.shape
     dv = v.shape[-1]
     q, k, v, s0, final = operands(q, k, v, initial_state, need_state)
-    name, kmax, bv, nt = _launch_config(q.dtype, dk, rank_tile)
+    name, kmax, bv, nt = _launch_config(q.dtype, dk, rank_tile, tuned or None)
     tiles = -(-dk // kmax)
     dev = q.device.index
     fn = get_function(SOURCE, name, dev)
@@ -88,14 +126,25 @@ def launch_state_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_dec
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_config(dtype: torch.dtype, dk: int, rank_tile: int) -> tuple[str, int, int, int]:
+def _launch_config(dtype: torch.dtype, dk: int, rank_tile: int, tuned: Optional[tuple] = None) -> tuple[str, int, int, int]:
     tiles = -(-dk // rank_tile)
     config = kernel_config(dtype, -(-dk // tiles))
+    if tuned:
+        config = tuned_launch(tuned, config)
     return name_expression(config), config[1], config[2], config[4]
+
+
+def tuned_launch(config: tuple, template: tuple) -> tuple:
+    """The autotuner's adapter: a tuned config (sorted ``(name, value)`` pairs of TUNE_SPACE) applied
+    to the heuristic's template arguments (DT, KMAX, BV, T, NT)."""
+    c = dict(config)
+    return (*template[:3], c["t"], c["nt"])
 
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool) -> Optional[torch.Tensor]:
     """All Dk state rows in one CTA per (batch, head, value tile): the sequential scan."""
-    return launch_state_scan(q, k, v, log_decay, scale, out, initial_state, need_state)[1]
+    tuned = tuned_config("scan", q.get_device(), q.dtype, q.shape[0] * q.shape[1], q.shape[2], q.shape[3],
+                         v.shape[3])
+    return launch_state_scan(q, k, v, log_decay, scale, out, initial_state, need_state, tuned=tuned)[1]

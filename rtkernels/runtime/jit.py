@@ -12,6 +12,7 @@ import functools
 import os
 import struct
 import threading
+import time
 from typing import Any, Sequence
 
 import torch
@@ -19,9 +20,11 @@ import torch
 from .compiler import BASE_OPTIONS, KernelCompileError
 from .sources import load_source
 
-__all__ = ["cupy_available", "kernels_available", "get_function", "launch", "cupy_stream", "Kernel"]
+__all__ = ["cupy_available", "kernels_available", "get_function", "launch", "cupy_stream", "Kernel",
+           "compile_log"]
 
 _lock = threading.Lock()
+_compile_log: list[dict[str, Any]] = []
 _functions: dict[tuple[int, str, str, tuple[str, ...]], Any] = {}
 _streams: dict[tuple[int, int], Any] = {}
 
@@ -60,6 +63,7 @@ def get_function(source: str, name_expression: str, device_index: int,
     with _lock:
         fn = _functions.get(key)
         if fn is None:
+            t0 = time.perf_counter()
             with cupy.cuda.Device(device_index):
                 module = cupy.RawModule(
                     code=load_source(source),
@@ -72,9 +76,18 @@ def get_function(source: str, name_expression: str, device_index: int,
                     raise KernelCompileError(source, [name_expression], str(exc)) from None
                 if dynamic_smem > 48 * 1024:
                     fn.max_dynamic_shared_size_bytes = dynamic_smem
+            _compile_log.append({"source": source, "name": name_expression, "device": device_index,
+                                 "options": list(extra_options), "seconds": time.perf_counter() - t0})
             fn = Kernel(fn)
             _functions[key] = fn
     return fn
+
+
+def compile_log() -> list[dict[str, Any]]:
+    """One record per kernel this process has obtained through :func:`get_function`: ``source``,
+    ``name``, ``device``, ``options`` and ``seconds`` (wall time of NVRTC's compile and the module
+    load; with a warm CuPy disk cache only the load)."""
+    return [dict(r) for r in _compile_log]
 
 
 def _raw_stream(device_index: int) -> int:

@@ -1,0 +1,102 @@
+"""JIT figures for the bench JSON: cold compile time of each kernel, first call with a warm cache.
+
+* ``nvrtc_offline_s``: NVRTC alone (``compile_offline``, sm_90, no GPU needed) per kernel: the
+  template instance the bf16 (or fp32) D = 128 problem uses. Measured in this process.
+* On a GPU, two fresh processes share a new, empty ``CUPY_CACHE_DIR``:
+  - ``cold``: each kernel method's first call at (1, 2, 256, 128) in bf16 (scan/fleet/block also
+    fp32), with the compile times of ``rtkernels.runtime.compile_log()`` (NVRTC + load), per kernel;
+  - ``warm``: the same calls in a new process: the first call's wall time (target <= 100 ms) and
+    the module load times from the disk cache.
+
+``python -m bench.jit`` prints the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = ("chunk", "scan", "fleet", "block")
+TARGET_COLD_S, TARGET_WARM_MS = 3.0, 100.0
+
+_CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+import rtkernels
+from rtkernels.runtime import compile_log
+t_import = time.perf_counter() - t0
+out = {"import_s": t_import, "first_call_ms": {}}
+dev = torch.device("cuda", 0)
+for method in %(methods)r:
+    for dt in ((torch.bfloat16, torch.float32) if method != "chunk" else (torch.bfloat16,)):
+        q, k, v = (torch.randn(1, 2, 256, 128, device=dev, dtype=dt) for _ in range(3))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        rtkernels.causal_linear_attention(q, k, v, 0.99, method=method)
+        torch.cuda.synchronize()
+        out["first_call_ms"][f"{method} {str(dt).replace('torch.', '')}"] = (time.perf_counter() - t) * 1e3
+out["kernels"] = compile_log()
+print("JSON" + json.dumps(out))
+"""
+
+
+def _child(cache: str) -> dict[str, Any]:
+    env = dict(os.environ, CUPY_CACHE_DIR=cache, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", _CHILD % {"methods": METHODS}], capture_output=True, text=True,
+                         env=env, timeout=600)
+    for line in res.stdout.splitlines():
+        if line.startswith("JSON"):
+            return json.loads(line[4:])
+    return {"error": (res.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+
+
+def offline_compile_times(arch: str = "sm_90") -> dict[str, float]:
+    """Seconds of NVRTC alone per kernel (the D = 128 instance of each method), no GPU needed."""
+    import torch
+
+    from rtkernels.methods import block, chunk, fleet, scan
+    from rtkernels.runtime import compile_offline
+
+    picks = {
+        "chunk.cu " + chunk.name_expression(chunk.kernel_config(torch.bfloat16, 128, 128, True, 2, 1)): ("chunk.cu",),
+        "scan.cu " + scan.name_expression(scan.kernel_config(torch.bfloat16, 128)): ("scan.cu",),
+        "block.cu " + block.name_expression(block.kernel_config(torch.bfloat16, 128, 128)): ("block.cu",),
+        "fleet.cu " + fleet.name_expression((2,)): ("fleet.cu",),
+    }
+    out = {}
+    for key, (source,) in picks.items():
+        name = key.split(" ", 1)[1]
+        t0 = time.perf_counter()
+        compile_offline(source, [name], arch)
+        out[key] = time.perf_counter() - t0
+    return out
+
+
+def measure(gpu: bool) -> dict[str, Any]:
+    """The JIT figures (see the module docstring); the GPU parts only when ``gpu``."""
+    res: dict[str, Any] = {"targets": {"cold_compile_s": TARGET_COLD_S, "warm_first_call_ms": TARGET_WARM_MS}}
+    try:
+        res["nvrtc_offline_s"] = offline_compile_times()
+    except Exception as exc:
+        res["nvrtc_offline_s"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    if not gpu:
+        res["cold"] = res["warm"] = {"skipped": "no CUDA GPU"}
+        return res
+    with tempfile.TemporaryDirectory(prefix="rtk-jit-") as cache:
+        res["cold"] = _child(cache)
+        res["warm"] = _child(cache)
+    return res
+
+
+if __name__ == "__main__":
+    import torch
+
+    print(json.dumps(measure(torch.cuda.is_available()), indent=1))

@@ -1,0 +1,257 @@
+r"""Gradients for every method: one ``torch.autograd.Function`` and an explicit chunked backward.
+
+The forward runs whichever method was asked for (its CUDA kernel or its torch path) through
+:func:`rtkernels.methods.run_method`, with no autograd graph and the call's ``fp32_precision``
+(carried in ``_Call``), and keeps q, k, v, the initial state and the per-head log-decay. The backward computes the exact gradient with its own chunked
+algorithm below, recomputing the forward states chunk by chunk: it is the same for every method.
+
+Math (per batch and head; Dk x Dv states; ``do_i = scale * dL/do_i``; ``G = dL/dS_N`` the incoming
+gradient of the returned final state, zero when it is not returned or not used)::
+
+    forward     S_i = gamma S_{i-1} + k_i^T v_i   (S_{-1} = S_0),   o_i = scale q_i S_i,   S_N = S_{N-1}
+    adjoint     U_i = dL/dS_i = gamma U_{i+1} + q_i^T do_i,          U_{N-1} = G + q_{N-1}^T do_{N-1}
+    gradients   dq_i = do_i S_i^T     dk_i = v_i U_i^T     dv_i = k_i U_i     dS_0 = gamma U_0
+                dlog(gamma) = sum_i <U_i, gamma S_{i-1}>              (<A, B> = sum_ab A_ab B_ab)
+
+The last line is the chain rule through S_i = exp(log gamma) S_{i-1} + ...: every step's decay is
+the same parameter. The reverse recursion of U has the shape of the forward recursion, so it is
+computed in the same chunked, numerically safe form (DESIGN.md §1): only non-negative powers of
+gamma. Chunk c holds rows t = 0 .. L-1 (L = C, the last chunk: what is left); with S the forward
+state entering the chunk (recomputed: a scan over the chunks' own states) and D the adjoint
+arriving from the right (D = G for the last chunk, and D_{c-1} = gamma^L D_c + sum_s gamma^(s+1)
+q_s^T do_s, a reverse scan that ends in dS_0 = D_{-1}):
+
+    S_t = gamma^(t+1) S + sum_{s <= t} gamma^(t-s) k_s^T v_s
+    U_t = gamma^(L-1-t) D + sum_{s >= t} gamma^(s-t) q_s^T do_s
+
+so that, with A = (Q K^T) ⊙ M and dA = (dO V^T) ⊙ M for the chunk's causal mask M[t, s] =
+gamma^(t-s) (s <= t, exactly 0 above the diagonal),
+
+    dQ = dA K   + gamma^(t+1) dO S^T                (inter term: ``inter_chunk(dO, S^T)``)
+    dK = dA^T Q + gamma^(L-1-t) V D^T
+    dV = A^T dO + gamma^(L-1-t) K D
+
+and, expanding <U_t, gamma S_{t-1}> into its four cross terms and counting for each pair of
+tokens how many t lie between them (a weight <= C, never a power of gamma^-1),
+
+    dlog(gamma) = sum over chunks of   L gamma^L <D, S>
+                                     + sum_s (L-1-s) gamma^(L-1-s) k_s D v_s^T
+                                     + sum_t (t+1) gamma^(t+1) q_t S do_t^T
+                                     + sum_{s < t} (t-s) gamma^(t-s) (q_t . k_s)(do_t . v_s)
+
+(the second and third are ``(L-1-s) v_s . dV_inter_s`` and ``(t+1) q_t . dQ_inter_t``; the last
+is ``sum((t-s) A ⊙ (dO V^T))``). No term cancels against another, so gamma -> 0 gives a
+gradient of the size of gamma, accurate to the last bits, and gamma = 1 is an ordinary value.
+``decay`` given as factors gets ``dL/dgamma = dlog(gamma) / gamma``, ``decay_rate`` gets
+``dL/dr = -dlog(gamma)``: autograd applies these through the differentiable ``log``/``neg`` of
+:func:`track_decay` (log(gamma) is clamped at ``LOG_DECAY_MIN`` as in the forward, so a rate
+beyond 1e4 gets a zero gradient, the gradient of the clamped operator).
+
+Work O(N C (Dk + Dv) + N Dk Dv), like the forward. Memory: the saved q, k, v (input dtype) and
+initial state; inside the backward O(N (Dk + Dv + C)) for the chunked tensors and their
+gradients plus O((N / C) Dk Dv) for the states entering each chunk (forward and reverse); no
+per-token state is ever stored. Everything is accumulated in float32 (float64 for float64
+inputs); the gradients come back in the dtypes of their inputs.
+
+NaN: a NaN in q, k or v gives NaN in exactly the gradient entries whose sum reaches it (under a
+finite incoming gradient): q_i[c] -> dk rows <= i column c, dv rows <= i, dS_0 row c;
+k_j[c] -> dq rows >= j column c, dv row j; v_j[c] -> dq rows >= j, dk row j; and the decay
+gradient. Everything else stays finite (the dense products keep non-finite rows out, as in the
+forward: :func:`~rtkernels.methods._torch_common.causal_apply`).
+
+The backward implementation is chosen per call by :func:`backward_impl` from
+:data:`BACKWARD_IMPLS`: the place where a CUDA backward kernel plugs in without touching the
+Function.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .decay import LOG_DECAY_MIN, LogDecay
+from .methods import run_method
+from .methods._torch_common import (causal_apply, causal_mask, chunk_end_decays, decay_powers, inter_chunk,
+                                    scan_chunks, to_chunks)
+from .runtime.dtypes import compute_dtype
+
+__all__ = ["Grads", "BackwardImpl", "BACKWARD_IMPLS", "backward_impl", "torch_backward", "track_decay",
+           "needs_grad", "attention_with_grad", "CausalLinearAttentionFunction", "CHUNK"]
+
+#: Tokens per chunk of the torch backward.
+CHUNK = 64
+
+
+class Grads(NamedTuple):
+    """What a backward implementation returns, in the compute dtype (float64 for float64 inputs,
+    float32 otherwise): ``[B, H, N, D]`` gradients of q, k, v, the ``[B, H, Dk, Dv]`` gradient of
+    the initial state (None when not asked for) and the ``[H]`` gradient of log(gamma) (None when
+    not asked for)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    initial_state: Optional[torch.Tensor]
+    log_decay: Optional[torch.Tensor]
+
+
+#: ``(q, k, v, log_decay, scale, initial_state, grad_out, grad_state, need_state_grad,
+#: need_decay_grad) -> Grads``: q, k, v, grad_out as ``[B, H, N, D]`` views in the input dtype
+#: (any strides), ``initial_state`` and ``grad_state`` (``[B, H, Dk, Dv]``) may be None.
+BackwardImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LogDecay, float, Optional[torch.Tensor],
+                         torch.Tensor, Optional[torch.Tensor], bool, bool], Grads]
+
+
+def torch_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
+                   initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
+                   grad_state: Optional[torch.Tensor], need_state_grad: bool, need_decay_grad: bool) -> Grads:
+    """The chunked backward of the module docstring in torch operations (any device and dtype)."""
+    cdt = compute_dtype(q.dtype)
+    b, h, n, dk = q.shape
+    dv = v.shape[-1]
+    lg = log_decay.tensor(cdt)
+    qc, kc, vc = (to_chunks(x.to(cdt), CHUNK) for x in (q, k, v))      # [B, H, nc, C, D]
+    doc = to_chunks(grad_out.to(cdt) * scale, CHUNK)
+    to_end, carry, exponent = chunk_end_decays(lg, n, CHUNK)
+
+    def state_or_zero(s: Optional[torch.Tensor]) -> torch.Tensor:
+        return torch.zeros(b, h, dk, dv, dtype=cdt, device=q.device) if s is None else s.to(cdt)
+
+    # forward states entering each chunk, recomputed; adjoints arriving from the right of each chunk
+    own = (kc * to_end).transpose(-1, -2) @ vc                          # sum_s gamma^(L-1-s) k_s^T v_s
+    s_in, _ = scan_chunks(state_or_zero(initial_state), own, carry)
+    back = (qc * decay_powers(lg, CHUNK, start=1, ndim=5)).transpose(-1, -2) @ doc  # sum_s gamma^(s+1) q_s^T do_s
+    d_in, d_initial = scan_chunks(state_or_zero(grad_state), back, carry, reverse=True)
+
+    scores = causal_mask(qc @ kc.transpose(-1, -2), lg)                # A
+    dp = doc @ vc.transpose(-1, -2)                                    # dO V^T
+    dscores = causal_mask(dp, lg)                                      # dA
+    dq_inter = inter_chunk(doc, s_in.transpose(-1, -2), lg)
+    dv_inter = to_end * (kc @ d_in)
+    dq = causal_apply(dscores, kc) + dq_inter
+    dk = causal_apply(dscores.transpose(-1, -2), qc, upper=True) + to_end * (vc @ d_in.transpose(-1, -2))
+    dvv = causal_apply(scores.transpose(-1, -2), doc, upper=True) + dv_inter
+
+    d_log = None
+    if need_decay_grad:
+        t = torch.arange(CHUNK, device=q.device)
+        dist = (t[:, None] - t[None, :]).clamp(min=0).to(cdt)           # t - s below the diagonal
+        lengths = (exponent[:, 0] + 1).to(cdt)                          # L per chunk
+        per_chunk = ((d_in * s_in).sum((-1, -2)) * (lengths * carry[..., 0, 0])             # L gamma^L <D, S>
+                     + ((vc * dv_inter).sum(-1) * exponent.to(cdt)).sum(-1)                 # (L-1-s) v_s.dV_inter
+                     + ((qc * dq_inter).sum(-1) * (t + 1).to(cdt)).sum(-1)                  # (t+1) q_t.dQ_inter
+                     + (scores * dp * dist).sum((-1, -2)))                                  # (t-s) A ⊙ dO V^T
+        d_log = per_chunk.sum(dim=(0, 2))
+
+    def unchunk(x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(b, h, -1, x.shape[-1])[:, :, :n]
+
+    return Grads(unchunk(dq), unchunk(dk), unchunk(dvv), d_initial if need_state_grad else None, d_log)
+
+
+#: ``(supports(q, v) -> bool, implementation)`` pairs, asked in order; the first that supports the
+#: inputs computes the backward. The torch implementation, last, takes everything. A CUDA backward
+#: kernel (e.g. for fp16/bf16 on CUDA) goes in front of it: ``BACKWARD_IMPLS.insert(0, (supports, fn))``.
+BACKWARD_IMPLS: list[tuple[Callable[[torch.Tensor, torch.Tensor], bool], BackwardImpl]] = [
+    (lambda q, v: True, torch_backward),
+]
+
+
+def backward_impl(q: torch.Tensor, v: torch.Tensor) -> BackwardImpl:
+    """The backward implementation for inputs like ``q`` and ``v`` (device, dtype, head sizes)."""
+    return next(fn for supports, fn in BACKWARD_IMPLS if supports(q, v))
+
+
+@dataclass(frozen=True)
+class _Call:
+    """The non-tensor arguments of one call."""
+
+    method: str
+    log_decay: LogDecay
+    scale: float
+    bnhd: bool
+    return_state: bool
+    #: "exact" or "tf32": the mode of a float32 ``chunk`` kernel forward (ignored elsewhere).
+    fp32_precision: str = "exact"
+
+
+class CausalLinearAttentionFunction(torch.autograd.Function):
+    """``(call, q, k, v, log_decay_source, initial_state, out) -> out`` or ``(out, final_state)``.
+
+    q, k, v are ``[B, H, N, D]`` views; ``out`` is the empty output in the caller's layout, filled
+    in place and returned (marked dirty); ``log_decay_source`` is :attr:`LogDecay.source` or None.
+    Not twice differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                log_decay_source: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+                out: torch.Tensor):
+        out_view = out.transpose(1, 2) if call.bnhd else out
+        state = run_method(call.method, q, k, v, call.log_decay, call.scale, out_view, initial_state,
+                           call.return_state, fp32_precision=call.fp32_precision)
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(q, k, v, initial_state)
+        ctx.call = call
+        ctx.source_meta = None if log_decay_source is None else (log_decay_source.device, log_decay_source.dtype)
+        return (out, state) if call.return_state else out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor, grad_state: Optional[torch.Tensor] = None):
+        q, k, v, s0 = ctx.saved_tensors
+        call: _Call = ctx.call
+        _, need_q, need_k, need_v, need_decay, need_s0, _ = ctx.needs_input_grad
+        g = grad_out.transpose(1, 2) if call.bnhd else grad_out
+        grads = backward_impl(q, v)(q, k, v, call.log_decay, call.scale, s0, g, grad_state, need_s0, need_decay)
+        return (None,
+                grads.q.to(q.dtype) if need_q else None,
+                grads.k.to(k.dtype) if need_k else None,
+                grads.v.to(v.dtype) if need_v else None,
+                grads.log_decay.to(*ctx.source_meta) if need_decay else None,
+                grads.initial_state.to(s0.dtype) if need_s0 else None,
+                None)
+
+
+def track_decay(log_decay: LogDecay, decay: torch.Tensor, is_rate: bool) -> LogDecay:
+    """Give ``log_decay`` (already checked, computed from ``decay.detach()``) its differentiable
+    source: log(gamma) = log(decay) for factors, -decay for rates, in float64 on the decay's device,
+    clamped like the forward's values."""
+    x = decay.to(torch.float64)
+    log_decay.source = (-x if is_rate else torch.log(x)).clamp(min=LOG_DECAY_MIN)
+    return log_decay
+
+
+def needs_grad(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               initial_state: Optional[torch.Tensor], log_decay: LogDecay) -> bool:
+    """Whether the call must go through :class:`CausalLinearAttentionFunction`: grad mode is on and
+    q, k, v, ``initial_state`` or the decay tensor requires grad. CuPy inputs give CuPy outputs,
+    which carry no gradient: a torch tensor that requires grad next to them is a ``TypeError``
+    (never a silent detach)."""
+    if not torch.is_grad_enabled():
+        return False
+    if not (q.requires_grad or k.requires_grad or v.requires_grad or log_decay.source is not None
+            or (initial_state is not None and initial_state.requires_grad)):
+        return False
+    if kind == "cupy":
+        which = [n for n, t in (("initial_state", initial_state), ("the decay tensor", log_decay.source))
+                 if t is not None and t.requires_grad]
+        raise TypeError(f"{' and '.join(which)} requires grad, but q, k and v are CUDA arrays (CuPy) and the "
+                        f"output is a CuPy array, which carries no gradient; pass torch tensors for q, k and v, "
+                        f"or detach it")
+    return True
+
+
+def attention_with_grad(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay,
+                        scale: float, out: torch.Tensor, layout: str, initial_state: Optional[torch.Tensor],
+                        return_state: bool, fp32_precision: str = "exact"
+                        ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Run ``method`` (a name of ``METHODS``) on the ``[B, H, N, D]`` views q, k, v into ``out`` (the
+    empty output in ``layout``) with autograd history: ``(out, final_state or None)``.
+    ``fp32_precision`` is the forward's float32 mode, as for :func:`rtkernels.methods.run_method`."""
+    call = _Call(method, log_decay, scale, layout == "bnhd", return_state, fp32_precision)
+    res = CausalLinearAttentionFunction.apply(call, q, k, v, log_decay.source, initial_state, out)
+    return res if return_state else (res, None)

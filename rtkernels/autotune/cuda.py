@@ -1,0 +1,210 @@
+"""The GPU side of tuning: candidates from the method modules, inputs, timing, validation.
+
+* :func:`candidates` -- for each method: the configs of its module's ``TUNE_SPACE`` (pruned by
+  :class:`Limits`) when its CUDA kernel takes the problem, else one candidate, the method as it
+  runs (a torch path; pruned when its memory would not fit).
+* :func:`cuda_timer` -- median of CUDA-event times, the L2 cache flushed before each repetition
+  when the inputs fit in it (BENCHMARK.md's protocol; the host's call overhead is included, as a
+  user sees it).
+* :func:`reference_validator` -- each output against the fp64 torch path of ``chunk`` on the same
+  inputs (batch 0, as many heads as keep the reference small), with the tests' tolerances.
+* :func:`tune_problem` -- all of it for one :class:`Problem`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any, Callable, Optional, Sequence
+
+from .space import Limits, Problem
+from .tuner import Candidate, Trial, TuneResult, tune
+
+__all__ = ["device_limits", "heuristic_method", "candidates", "cuda_timer", "reference_validator",
+           "tune_problem", "TOLERANCES", "FLUSH_BYTES"]
+
+#: Relative Frobenius error allowed per dtype (tests/tolerances.py); fp32 grows like sqrt(N / 1024).
+TOLERANCES = {"bf16": 1.2e-2, "fp16": 2e-3, "fp32": 2e-5}
+FLUSH_BYTES = 256 << 20
+#: Share of device memory a torch-path candidate may need before it is pruned.
+MEMORY_SHARE = 0.25
+
+#: Dynamic shared memory per CTA with the opt-in, by compute capability, where torch does not say.
+_SMEM_OPTIN = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99, (9, 0): 227,
+               (10, 0): 227, (12, 0): 99}
+
+
+def device_limits(device_index: int) -> Limits:
+    import torch
+
+    p = torch.cuda.get_device_properties(device_index)
+    optin = getattr(p, "shared_memory_per_block_optin", 0) or _SMEM_OPTIN.get((p.major, p.minor), 48) * 1024
+    return Limits(sms=int(p.multi_processor_count), max_threads=1024, static_smem=48 * 1024,
+                  max_smem=int(optin), memory=int(p.total_memory), cc=(int(p.major), int(p.minor)))
+
+
+def _meta(problem: Problem) -> tuple[Any, Any]:
+    import torch
+
+    q = torch.empty(problem.b, problem.h, problem.n, problem.dk, dtype=problem.torch_dtype, device="meta")
+    v = torch.empty(problem.b, problem.h, problem.n, problem.dv, dtype=problem.torch_dtype, device="meta")
+    return q, v
+
+
+def _kernel_takes(method: str, problem: Problem) -> bool:
+    from ..methods import METHODS
+
+    m = METHODS[method]
+    return m.kernel_forward is not None and m.kernel_supports(*_meta(problem))
+
+
+def heuristic_method(problem: Problem) -> str:
+    """What ``method="auto"`` runs on a CUDA device without a store entry (see ``auto_method``)."""
+    if _kernel_takes("chunk", problem):
+        return "chunk"
+    return "scan" if _kernel_takes("scan", problem) else "chunk"
+
+
+def _torch_path_prune(method: str, p: Problem, limits: Limits) -> Optional[str]:
+    """Why the torch path of ``method`` is not tried: too much memory, or a Python loop per token."""
+    need = {"vanilla": 3 * p.bh * p.n * p.n * 4,            # scores and mask, fp32
+            "recursion": p.bh * p.n * (p.dk * p.dv // 32 + p.dk + p.dv) * 4 * 2}.get(method, 0)
+    if need > MEMORY_SHARE * limits.memory:
+        return f"torch path needs about {need / 2**30:.1f} GiB"
+    if method in ("scan", "fleet", "block") and p.n > 4096:
+        return "torch path is a Python loop over the sequence"
+    return None
+
+
+def candidates(problem: Problem, limits: Limits, methods: Optional[Sequence[str]] = None
+               ) -> list[tuple[Candidate, Optional[str]]]:
+    """Every candidate for ``problem``, each with the reason it is pruned (None: it runs); the
+    heuristic method's default config first."""
+    import importlib
+
+    from ..methods import METHODS
+
+    names = [m for m in METHODS if methods is None or m in methods]
+    first = heuristic_method(problem)
+    names.sort(key=lambda m: m != first)
+    out: list[tuple[Candidate, Optional[str]]] = []
+    for name in names:
+        module = importlib.import_module(f"rtkernels.methods.{name}")
+        space = getattr(module, "TUNE_SPACE", None)
+        if space is not None and _kernel_takes(name, problem):
+            for i, (config, why) in enumerate(space.configs(problem, limits)):
+                out.append((Candidate.of(name, config, default=i == 0), why))
+        else:
+            out.append((Candidate.of(name, {}, default=True), _torch_path_prune(name, problem, limits)))
+    return out
+
+
+def cuda_timer(device_index: int, reps: int = 15, flush: Any = None, slow_ms: float = 50.0,
+               hopeless: float = 5.0) -> Callable[[Callable[[], Any]], float]:
+    """A timer: median of ``reps`` CUDA-event times in ms (3 when the first one exceeds ``slow_ms``;
+    1 when it exceeds ``hopeless`` times the best median this timer has returned: it cannot win),
+    ``flush`` (a byte tensor) overwritten before each repetition."""
+    import torch
+
+    best = [float("inf")]
+
+    def timer(fn: Callable[[], Any]) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times: list[float] = []
+        want = reps
+        while len(times) < want:
+            if flush is not None:
+                flush.zero_()
+            torch.cuda.synchronize(device_index)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+            if len(times) == 1 and times[0] > slow_ms:
+                want = min(want, 3)
+            if len(times) == 1 and times[0] > hopeless * best[0]:
+                want = 1
+        ms = statistics.median(times)
+        best[0] = min(best[0], ms)
+        return ms
+
+    return timer
+
+
+def make_inputs(problem: Problem, device_index: int, seed: int = 0) -> tuple[Any, Any, Any, Any]:
+    """BENCHMARK.md's inputs: q, k = randn / sqrt(Dk), v = randn, gamma spread over heads
+    (1 - exp(linspace(log(1/32), log(1/512), H)), a float32 CPU tensor)."""
+    import torch
+
+    dev = torch.device("cuda", device_index)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    p = problem
+    q = torch.randn(p.b, p.h, p.n, p.dk, generator=gen, device=dev).div_(math.sqrt(p.dk)).to(p.torch_dtype)
+    k = torch.randn(p.b, p.h, p.n, p.dk, generator=gen, device=dev).div_(math.sqrt(p.dk)).to(p.torch_dtype)
+    v = torch.randn(p.b, p.h, p.n, p.dv, generator=gen, device=dev).to(p.torch_dtype)
+    gamma = -torch.expm1(torch.linspace(math.log(1 / 32), math.log(1 / 512), p.h, dtype=torch.float64)).float()
+    return q, k, v, gamma
+
+
+def reference_validator(problem: Problem, q: Any, k: Any, v: Any, gamma: Any, max_tokens: int = 1 << 20
+                        ) -> Callable[[Candidate, Any], Optional[str]]:
+    """A validator: relative Frobenius error of batch 0 (the first heads, at most ``max_tokens``
+    head-tokens) against the fp64 torch path of ``chunk``, within :data:`TOLERANCES`."""
+    import torch
+
+    from .. import causal_linear_attention as cla
+
+    hs = max(1, min(problem.h, max_tokens // max(problem.n, 1)))
+    tol = TOLERANCES[problem.dtype] * (max(1.0, (problem.n / 1024) ** 0.5) if problem.dtype == "fp32" else 1.0)
+    ref: list[Any] = []
+
+    def validate(cand: Candidate, out: Any) -> Optional[str]:
+        if not ref:
+            ref.append(cla(*(t[:1, :hs].double() for t in (q, k, v)), gamma[:hs].double(), method="chunk"))
+        r = ref[0]
+        o = out[:1, :hs].double()
+        if not bool(torch.isfinite(o).all()):
+            return "non-finite output"
+        err = float((o - r).norm() / r.norm())
+        return None if err <= tol else f"relative error {err:.3g} > {tol:.3g}"
+
+    return validate
+
+
+def tune_problem(problem: Problem, device_index: int = 0, methods: Optional[Sequence[str]] = None,
+                 reps: int = 15, progress: Optional[Callable[[Trial], None]] = None,
+                 timer: Optional[Callable] = None, validate: Optional[Callable] = None) -> TuneResult:
+    """Tune one problem on CUDA device ``device_index``: every candidate is compiled, run once,
+    checked against the fp64 torch path, then timed; returns every trial. fp32 candidates run with
+    ``fp32_precision="exact"`` (the store's buckets do not record the mode, and the tf32 mode would
+    fail the fp32 tolerance)."""
+    import torch
+
+    from .. import causal_linear_attention as cla
+    from . import forced
+
+    limits = device_limits(device_index)
+    with torch.cuda.device(device_index):
+        q, k, v, gamma = make_inputs(problem, device_index)
+        in_bytes = sum(t.numel() * t.element_size() for t in (q, k, v))
+        l2 = int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 50 << 20))
+        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=q.device) if in_bytes < 2 * l2 else None
+        timer = timer or cuda_timer(device_index, reps, flush)
+        validate = validate or reference_validator(problem, q, k, v, gamma)
+
+        def prepare(cand: Candidate) -> Callable[[], Any]:
+            method, config = cand.method, cand.config
+
+            def call() -> Any:  # fp32: the exact mode, which TOLERANCES["fp32"] checks
+                with forced(method, config):
+                    return cla(q, k, v, gamma, method=method, fp32_precision="exact")
+            return call
+
+        note = f"CUDA events, median of {reps} (3 above 50 ms), L2 " + \
+            ("flushed" if flush is not None else "not flushed (inputs exceed 2x L2)")
+        result = tune(problem, candidates(problem, limits, methods), prepare, timer, validate, progress,
+                      heuristic_method=heuristic_method(problem), timer_note=note)
+        del q, k, v, flush
+    torch.cuda.empty_cache()
+    return result

@@ -1,0 +1,54 @@
+"""Both kernels of ``chunk`` on the GPU (marker ``gpu``): the mma.sync kernel every GPU runs and, on
+compute capability 9.0, the wgmma kernel with each value-tile width, forced past the heuristic.
+The shared tests of test_gpu_methods.py run once per kernel variant here."""
+
+import pytest
+import torch
+
+import test_gpu_methods as base
+from rtkernels.methods import chunk
+
+pytestmark = pytest.mark.gpu
+
+VARIANTS = {"mma": (False, None), "wgmma-bv64": (True, 64), "wgmma-bv128": (True, 128)}
+
+
+@pytest.fixture(params=sorted(VARIANTS))
+def variant(request, monkeypatch):
+    wg, bv = VARIANTS[request.param]
+    if wg and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
+    monkeypatch.setattr(chunk, "force_wgmma", wg)
+    monkeypatch.setattr(chunk, "force_bv", bv)
+    return request.param
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", base.SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_odd_shapes(variant, shape, dtype, layout):
+    base.test_kernels_match_fp64_on_odd_shapes(shape, dtype, layout, "chunk")
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 96), (1, 1, 4096, 128, 128), (2, 1, 65, 16, 40)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_split_sequence(variant, shape, dtype, segments, monkeypatch):
+    base.test_chunk_split_sequence_strategy(shape, dtype, segments, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rate_scale_state_and_two_pieces(variant, dtype):
+    base.test_kernel_rate_scale_and_state(dtype, "chunk")
+
+
+@pytest.mark.parametrize("row", [0, 70, 149])
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nan_reaches_only_its_rows(variant, where, row):
+    base.test_kernel_nan_reaches_only_its_rows(where, "chunk", torch.bfloat16, row)
+
+
+def test_deterministic_and_strided(variant):
+    base.test_kernel_is_deterministic_and_agrees_with_torch_path("chunk")
+    base.test_kernel_strided_inputs_and_nondefault_stream("chunk", torch.float16)
