@@ -15,12 +15,12 @@ import torch
 
 from ..decay import LogDecay
 
-from ..autotune import selection
+from ..autotune import generation, selection
 from ..runtime import kernels_available
 from . import block, chunk, fleet, recursion, scan, vanilla
 from ._torch_common import TorchForward, run_torch_path
 
-__all__ = ["Method", "METHODS", "run_method", "auto_method", "kernel_instances"]
+__all__ = ["Method", "METHODS", "run_method", "auto_method", "kernel_instances", "plan_epoch"]
 
 KernelForward = Callable[..., Optional[torch.Tensor]]
 
@@ -34,6 +34,10 @@ class Method:
     torch_forward: TorchForward
     kernel_forward: Optional[KernelForward] = None
     kernel_supports: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None
+    #: ``(q, k, v, log_decay, scale, out, need_state) -> launcher``: plans the kernel call once for
+    #: views with unit stride along D; ``launcher(q, k, v, out, initial_state)`` repeats it with new
+    #: tensors of the same shapes, strides and alignment (the API caches it per call signature).
+    kernel_prepare: Optional[Callable[..., Callable[..., Optional[torch.Tensor]]]] = None
 
     def uses_kernel(self, q: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether a call with these inputs runs this method's CUDA kernel."""
@@ -52,7 +56,7 @@ METHODS: dict[str, Method] = {
     "scan": Method("scan", "O(N Dk Dv) work in N sequential steps, O(N D + Dk Dv) memory",
                    scan.torch_forward, scan.kernel_forward, scan.kernel_supports),
     "chunk": Method("chunk", "O(N C (Dk+Dv) + N Dk Dv) work, O(N D + N Dk Dv / C) memory",
-                    chunk.torch_forward, chunk.kernel_forward, chunk.kernel_supports),
+                    chunk.torch_forward, chunk.kernel_forward, chunk.kernel_supports, chunk.kernel_prepare),
 }
 
 _warned_no_cupy = False
@@ -82,6 +86,12 @@ def auto_method(q: torch.Tensor, v: torch.Tensor) -> str:
     if METHODS["chunk"].uses_kernel(q, v):
         return "chunk"
     return "scan" if METHODS["scan"].uses_kernel(q, v) else "chunk"
+
+
+def plan_epoch() -> tuple:
+    """Changes whenever a planned kernel call may no longer be the one a new plan would make: the
+    autotune store's answers (:func:`rtkernels.autotune.generation`) and the chunk overrides."""
+    return (generation(), chunk.force_segments, chunk.force_wgmma, chunk.force_bv)
 
 
 def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",

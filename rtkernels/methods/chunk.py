@@ -30,7 +30,7 @@ from ..autotune import tuned_config
 from ..autotune.space import Limits, Problem, Space
 from ..decay import LogDecay
 from ..runtime import dtype_code, get_function, launch
-from ._launch import fwd_args, operands
+from ._launch import fwd_tail, unit_stride
 from ._torch_common import chunk_end_decays, inter_chunk, intra_chunk, scan_chunks, to_chunks, zero_state
 
 SOURCE = "chunk.cu"
@@ -223,43 +223,88 @@ def tuned_launch(config: tuple, dtype: torch.dtype, dk: int, dv: int, vec: bool,
             WGMMA_OPTIONS if wg else ())
 
 
+class ChunkLaunch:
+    """A planned call of the chunk kernel: kernel, grid, shared memory and every argument but the
+    data pointers, so that repeating the call with new tensors of the same shapes, strides and
+    alignment costs the pointer reads and the launch (the host path of a cached call).
+
+    ``launch(q, k, v, out, initial_state)`` takes the tensors (any views of the planned ones' memory
+    layout: only ``data_ptr()`` is read) and returns the final state when it was planned, else None.
+    The split-sequence strategy allocates its two ``[segments, B*H, Dk, Dv]`` fp32 state buffers per
+    call.
+    """
+
+    __slots__ = ("fn", "grid", "block", "smem", "dev", "device", "tail", "lg", "lg_ptr", "nseg", "seg_len",
+                 "state_shape", "need_state", "scan_fn", "scan_args")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
+                 out: torch.Tensor, need_state: bool):
+        b, h, n, dk = q.shape
+        dv = v.shape[-1]
+        vec = _aligned(q) and _aligned(k) and _aligned(v)
+        dev = q.device.index
+        bh = b * h
+        tuned = tuned_config("chunk", dev, q.dtype, bh, n, dk, dv)  # None: no store entry
+        if tuned and force_segments is None and force_wgmma is None and force_bv is None:
+            name, bv, nseg, smem, threads, opts = tuned_launch(tuned, q.dtype, dk, dv, vec, bh, _sm_count(dev))
+        else:
+            name, bv, nseg, smem, threads, opts = _plan(q.dtype, dk, dv, vec, bh, n, dev, _overrides())
+        seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
+        self.nseg = -(-n // seg_len)
+        self.seg_len = seg_len
+        self.fn = get_function(SOURCE, name, dev, extra_options=opts, dynamic_smem=smem)
+        self.grid = (bh, -(-dv // bv), self.nseg)
+        self.block = (threads, 1, 1)
+        self.smem, self.dev, self.device = smem, dev, q.device
+        self.lg = log_decay.tensor(torch.float32)  # kept: the kernel reads it through a raw pointer
+        self.lg_ptr = self.lg.data_ptr()
+        self.tail = fwd_tail(q, k, v, out, scale)
+        self.need_state = need_state
+        self.state_shape = (b, h, dk, dv)
+        if self.nseg > 1:
+            self.scan_fn = get_function(SOURCE, "rtk_chunk_seg_scan", dev)
+            total = bh * dk * dv
+            self.scan_args = ((min(-(-total // 256), 4096), 1, 1), (256, 1, 1),
+                              (self.nseg, bh, h, dk * dv, seg_len, n - (self.nseg - 1) * seg_len))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 initial_state: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        s0 = initial_state
+        if s0 is not None and (s0.dtype != torch.float32 or not s0.is_contiguous()):
+            s0 = s0.to(torch.float32).contiguous()
+        s0p = 0 if s0 is None else s0.data_ptr()
+        final = torch.empty(self.state_shape, dtype=torch.float32, device=self.device) if self.need_state else None
+        fp = 0 if final is None else final.data_ptr()
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), self.lg_ptr)
+        if self.nseg == 1:
+            launch(self.fn, self.grid, self.block, (*ptrs, s0p, fp, *self.tail, self.seg_len, 0), self.dev,
+                   shared_mem=self.smem)
+            return final
+        # split sequence: each segment's own state (no initial state), the scan over the segments'
+        # states, then the fused pass of each segment from its entering state
+        local = torch.empty((self.nseg, *self.state_shape), dtype=torch.float32, device=self.device)
+        s_in = torch.empty_like(local)
+        launch(self.fn, self.grid, self.block, (*ptrs, 0, local.data_ptr(), *self.tail, self.seg_len, 1),
+               self.dev, shared_mem=self.smem)
+        grid, block, rest = self.scan_args
+        launch(self.scan_fn, grid, block, (local.data_ptr(), s_in.data_ptr(), s0p, fp, self.lg_ptr, *rest), self.dev)
+        launch(self.fn, self.grid, self.block, (*ptrs, s_in.data_ptr(), 0, *self.tail, self.seg_len, 0),
+               self.dev, shared_mem=self.smem)
+        return final
+
+
+def kernel_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
+                   out: torch.Tensor, need_state: bool) -> ChunkLaunch:
+    """Plan the kernel call for ``[B, H, N, D]`` views with unit stride along D (see
+    :class:`ChunkLaunch`): the autotune store's config for the shape bucket, else :func:`_plan`."""
+    return ChunkLaunch(q, k, v, log_decay, scale, out, need_state)
+
+
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool) -> Optional[torch.Tensor]:
     """One fused pass, or with few (batch, head, value-tile) CTAs the split-sequence strategy:
     a states-only pass per segment, a scan over the segment states, and the fused pass per segment
     starting from its state."""
-    b, h, n, dk = q.shape
-    dv = v.shape[-1]
-    q, k, v, s0, final = operands(q, k, v, initial_state, need_state)
-    vec = _aligned(q) and _aligned(k) and _aligned(v)
-    dev = q.device.index
-    bh = b * h
-    tuned = tuned_config("chunk", dev, q.dtype, bh, n, dk, dv)  # None: no store entry
-    if tuned and force_segments is None and force_wgmma is None and force_bv is None:
-        name, bv, nseg, smem, threads, opts = tuned_launch(tuned, q.dtype, dk, dv, vec, bh, _sm_count(dev))
-    else:
-        name, bv, nseg, smem, threads, opts = _plan(q.dtype, dk, dv, vec, bh, n, dev, _overrides())
-    tiles = -(-dv // bv)
-    seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
-    nseg = -(-n // seg_len)
-    fn = get_function(SOURCE, name, dev, extra_options=opts, dynamic_smem=smem)
-    grid = (bh, tiles, nseg)
-    args = fwd_args(q, k, v, out, log_decay, s0, final, scale)
-    if nseg == 1:
-        launch(fn, grid, (threads, 1, 1), (*args, seg_len, 0), dev, shared_mem=smem)
-        return final
-    local = torch.empty(nseg, bh, dk, dv, dtype=torch.float32, device=q.device)
-    s_in = torch.empty_like(local)
-    lg = log_decay.tensor(torch.float32)
-    first = (*args[:5], 0, local.data_ptr(), *args[7:])  # no initial state, segment states out
-    launch(fn, grid, (threads, 1, 1), (*first, seg_len, 1), dev, shared_mem=smem)
-    scan_fn = get_function(SOURCE, "rtk_chunk_seg_scan", dev)
-    total = bh * dk * dv
-    launch(scan_fn, (min(-(-total // 256), 4096), 1, 1), (256, 1, 1),
-           (local.data_ptr(), s_in.data_ptr(), 0 if s0 is None else s0.data_ptr(),
-            0 if final is None else final.data_ptr(), lg.data_ptr(), nseg, bh, h, dk * dv, seg_len,
-            n - (nseg - 1) * seg_len), dev)
-    third = (*args[:5], s_in.data_ptr(), 0, *args[7:])  # each segment from its entering state
-    launch(fn, grid, (threads, 1, 1), (*third, seg_len, 0), dev, shared_mem=smem)
-    return final
+    q, k, v = unit_stride(q, k, v)
+    return ChunkLaunch(q, k, v, log_decay, scale, out, need_state)(q, k, v, out, initial_state)
