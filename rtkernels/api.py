@@ -177,10 +177,11 @@ _NO_KEY = object()
 
 
 class _CachedCall:
-    __slots__ = ("launcher", "out_shape", "dtype", "device", "pins")
+    __slots__ = ("launcher", "out_shape", "dtype", "device", "like_v", "pins")
 
-    def __init__(self, launcher: Any, out_shape: tuple, dtype: torch.dtype, device: torch.device, pins: tuple):
-        self.launcher, self.out_shape, self.dtype, self.device = launcher, out_shape, dtype, device
+    def __init__(self, launcher: Any, out: torch.Tensor, like_v: bool, pins: tuple):
+        self.launcher, self.out_shape, self.dtype, self.device = launcher, tuple(out.shape), out.dtype, out.device
+        self.like_v = like_v  # v is contiguous, so torch.empty_like(v) is the output (the cheaper call)
         self.pins = pins  # host decay tensors whose id() is part of the key: kept alive, so ids stay unique
 
 
@@ -223,11 +224,11 @@ def _call_key(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, m
             dk, dr, type(scale), scale, method, layout, sk, return_state, plan_epoch())
 
 
-def _remember(key: tuple, launcher: Any, out: torch.Tensor, decay: Any, decay_rate: Any) -> None:
+def _remember(key: tuple, launcher: Any, out: torch.Tensor, v: torch.Tensor, decay: Any, decay_rate: Any) -> None:
     if len(_fast) >= _FAST_MAX:
         _fast.clear()
     pins = tuple(x for x in (decay, decay_rate) if isinstance(x, _Tensor))
-    _fast[key] = _CachedCall(launcher, tuple(out.shape), out.dtype, out.device, pins)
+    _fast[key] = _CachedCall(launcher, out, v.is_contiguous() and v.shape == out.shape, pins)
 
 
 def causal_linear_attention(
@@ -275,7 +276,7 @@ def causal_linear_attention(
     if key is not None:
         hit = _fast.get(key)
         if hit is not None:
-            out = torch.empty(hit.out_shape, dtype=hit.dtype, device=hit.device)
+            out = torch.empty_like(v) if hit.like_v else torch.empty(hit.out_shape, dtype=hit.dtype, device=hit.device)
             state = hit.launcher(q, k, v, out, initial_state)
             return (out, state) if return_state else out
     qt, kt, vt, kind = _check_inputs(q, k, v, layout)
@@ -319,7 +320,7 @@ def causal_linear_attention(
               and qt.stride(-1) == kt.stride(-1) == vt.stride(-1) == 1):  # plan, run, and cache the plan
             launcher = m.kernel_prepare(qt, kt, vt, log_decay, scale, out_view, return_state)
             state = launcher(qt, kt, vt, out_view, s0)
-            _remember(key, launcher, out, decay, decay_rate)
+            _remember(key, launcher, out, v, decay, decay_rate)
         else:
             state = run_method(name, qt, kt, vt, log_decay, scale, out_view, s0, return_state)
     if kind == "cupy":

@@ -29,7 +29,7 @@ import os
 from ..autotune import tuned_config
 from ..autotune.space import Limits, Problem, Space
 from ..decay import LogDecay
-from ..runtime import dtype_code, get_function, launch
+from ..runtime import dtype_code, get_function
 from ._launch import fwd_tail, unit_stride
 from ._torch_common import chunk_end_decays, inter_chunk, intra_chunk, scan_chunks, to_chunks, zero_state
 
@@ -234,8 +234,7 @@ class ChunkLaunch:
     call.
     """
 
-    __slots__ = ("fn", "grid", "block", "smem", "dev", "device", "tail", "lg", "lg_ptr", "nseg", "seg_len",
-                 "state_shape", "need_state", "scan_fn", "scan_args")
+    __slots__ = ("fused", "states", "scan", "device", "lg", "lg_ptr", "nseg", "state_shape", "need_state")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
                  out: torch.Tensor, need_state: bool):
@@ -250,22 +249,23 @@ class ChunkLaunch:
         else:
             name, bv, nseg, smem, threads, opts = _plan(q.dtype, dk, dv, vec, bh, n, dev, _overrides())
         seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
-        self.nseg = -(-n // seg_len)
-        self.seg_len = seg_len
-        self.fn = get_function(SOURCE, name, dev, extra_options=opts, dynamic_smem=smem)
-        self.grid = (bh, -(-dv // bv), self.nseg)
-        self.block = (threads, 1, 1)
-        self.smem, self.dev, self.device = smem, dev, q.device
+        self.nseg = nseg = -(-n // seg_len)
+        fn = get_function(SOURCE, name, dev, extra_options=opts, dynamic_smem=smem)
+        grid, block, tail = (bh, -(-dv // bv), nseg), (threads, 1, 1), fwd_tail(q, k, v, out, scale)
+        # head: q, k, v, out, log-decay, initial state, final state pointers
+        self.fused = fn.bind(grid, block, smem, dev, 7, (*tail, seg_len, 0))
+        self.device = q.device
         self.lg = log_decay.tensor(torch.float32)  # kept: the kernel reads it through a raw pointer
         self.lg_ptr = self.lg.data_ptr()
-        self.tail = fwd_tail(q, k, v, out, scale)
         self.need_state = need_state
         self.state_shape = (b, h, dk, dv)
-        if self.nseg > 1:
-            self.scan_fn = get_function(SOURCE, "rtk_chunk_seg_scan", dev)
+        if nseg > 1:
+            self.states = fn.bind(grid, block, smem, dev, 7, (*tail, seg_len, 1))
             total = bh * dk * dv
-            self.scan_args = ((min(-(-total // 256), 4096), 1, 1), (256, 1, 1),
-                              (self.nseg, bh, h, dk * dv, seg_len, n - (self.nseg - 1) * seg_len))
+            # head: segment states, entering states, initial state, final state, log-decay pointers
+            self.scan = get_function(SOURCE, "rtk_chunk_seg_scan", dev).bind(
+                (min(-(-total // 256), 4096), 1, 1), (256, 1, 1), 0, dev, 5,
+                (nseg, bh, h, dk * dv, seg_len, n - (nseg - 1) * seg_len))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  initial_state: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
@@ -275,21 +275,17 @@ class ChunkLaunch:
         s0p = 0 if s0 is None else s0.data_ptr()
         final = torch.empty(self.state_shape, dtype=torch.float32, device=self.device) if self.need_state else None
         fp = 0 if final is None else final.data_ptr()
-        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), self.lg_ptr)
+        qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         if self.nseg == 1:
-            launch(self.fn, self.grid, self.block, (*ptrs, s0p, fp, *self.tail, self.seg_len, 0), self.dev,
-                   shared_mem=self.smem)
+            self.fused(qp, kp, vp, op, self.lg_ptr, s0p, fp)
             return final
         # split sequence: each segment's own state (no initial state), the scan over the segments'
         # states, then the fused pass of each segment from its entering state
         local = torch.empty((self.nseg, *self.state_shape), dtype=torch.float32, device=self.device)
         s_in = torch.empty_like(local)
-        launch(self.fn, self.grid, self.block, (*ptrs, 0, local.data_ptr(), *self.tail, self.seg_len, 1),
-               self.dev, shared_mem=self.smem)
-        grid, block, rest = self.scan_args
-        launch(self.scan_fn, grid, block, (local.data_ptr(), s_in.data_ptr(), s0p, fp, self.lg_ptr, *rest), self.dev)
-        launch(self.fn, self.grid, self.block, (*ptrs, s_in.data_ptr(), 0, *self.tail, self.seg_len, 0),
-               self.dev, shared_mem=self.smem)
+        self.states(qp, kp, vp, op, self.lg_ptr, 0, local.data_ptr())
+        self.scan(local.data_ptr(), s_in.data_ptr(), s0p, fp, self.lg_ptr)
+        self.fused(qp, kp, vp, op, self.lg_ptr, s_in.data_ptr(), 0)
         return final
 
 
