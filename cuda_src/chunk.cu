@@ -142,7 +142,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
       if (n0 + C <= NS) {  // a whole chunk: no row checks
         #pragma unroll
         for (int u = 0; u < C / QROWS; ++u, qp += qstep, kp += kstep) {
-          rtk_cp_async16(dq + 2 * u * QROWS * KS, qp, qbytes);
+          if (!states_only) rtk_cp_async16(dq + 2 * u * QROWS * KS, qp, qbytes);
           rtk_cp_async16(dk + 2 * u * QROWS * KS, kp, qbytes);
         }
         #pragma unroll
@@ -151,7 +151,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
         #pragma unroll
         for (int u = 0; u < C / QROWS; ++u, qp += qstep, kp += kstep) {
           const bool in = n0 + qrow + u * QROWS < NS;
-          rtk_cp_async16(dq + 2 * u * QROWS * KS, in ? (const void*)qp : (const void*)qb, in ? qbytes : 0);
+          if (!states_only) rtk_cp_async16(dq + 2 * u * QROWS * KS, in ? (const void*)qp : (const void*)qb, in ? qbytes : 0);
           rtk_cp_async16(dk + 2 * u * QROWS * KS, in ? (const void*)kp : (const void*)kb, in ? qbytes : 0);
         }
         #pragma unroll
@@ -166,7 +166,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
         const rtk_i64 n = (rtk_i64)n0 + r;
         const bool ok = n < NS && col < Dk;
         const int at = L::qk_off(r, col >> 3) + (col & 7);
-        sQ[at] = ok ? qb[n * q_sn + col] : (rtk_u16)0;
+        if (!states_only) sQ[at] = ok ? qb[n * q_sn + col] : (rtk_u16)0;
         sK[at] = ok ? kb[n * k_sn + col] : (rtk_u16)0;
       }
       for (int e = st; e < C * BV; e += 128) {

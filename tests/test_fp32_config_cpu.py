@@ -210,3 +210,22 @@ def test_autotuner_candidates_for_fp32_start_with_the_chunk_kernel():
     cands = cuda.candidates(Problem(2, 32, 1024, 128, 128, "fp32"), Limits(sms=132, cc=(9, 0)))
     assert cands[0][0].method == "chunk" and cands[0][0].default and cands[0][1] is None
     assert sum(c.method == "chunk" and why is None for c, why in cands) > 1
+
+
+def test_cached_call_key_holds_the_resolved_precision():
+    """The cached call (api._call_key) never reuses a plan across fp32 modes: the key holds
+    fp32_precision, and for float32 inputs with None, torch's float32 matmul setting."""
+    key = lambda q, prec=None: api._call_key(q, q, q, 0.9, None, 1.0, "chunk", "bhnd", None, False, prec)
+    q32, q16 = torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4, dtype=torch.bfloat16)
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        highest = key(q32)
+        highest16 = key(q16)
+        torch.set_float32_matmul_precision("high")
+        assert key(q32) != highest and key(q32) == key(q32)
+        assert key(q16) == highest16  # 16-bit keys do not depend on torch's setting
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert len({key(q32, "exact"), key(q32, "tf32"), highest}) == 3
+    assert key(q32, 3) is None and key(q32, b"tf32") is None  # refused by the checks: never cached

@@ -187,3 +187,15 @@ def test_fp32_strided_views_and_long_sequence():
         for mode in MODES:
             out = rtkernels.causal_linear_attention(q, k, v, gamma, method="chunk", fp32_precision=mode)
             assert torch.isfinite(out).all(), (gamma, mode)
+
+
+def test_fp32_cached_calls_keep_their_mode():
+    """A repeated call reuses its planned launch (api._fast), one per mode, never the other mode's."""
+    from rtkernels import api
+
+    api._fast.clear()
+    q, k, v = _inputs(1, 4, 300, 64, 64, seed=6)
+    first = {m: rtkernels.causal_linear_attention(q, k, v, 0.99, method="chunk", fp32_precision=m) for m in MODES}
+    assert len(api._fast) == 2 and not torch.equal(first["exact"], first["tf32"])
+    for m in ("tf32", "exact", "tf32"):  # cached calls
+        assert torch.equal(rtkernels.causal_linear_attention(q, k, v, 0.99, method="chunk", fp32_precision=m), first[m])

@@ -39,7 +39,7 @@ __all__ = [
     "ENV_AUTOTUNE", "ENV_CACHE_DIR", "Selection", "Space", "Problem", "Limits", "Candidate", "Trial",
     "TuneResult", "Store", "Config", "freeze", "cache_dir", "store_dir", "bucket", "selection", "tuned_config", "lookup",
     "tune", "record", "store_for_device", "use_store", "forced", "set_autotune_on_miss",
-    "autotune_on_miss", "clear",
+    "autotune_on_miss", "clear", "generation",
 ]
 
 #: Environment variable: ``1`` lets the first call of an untuned shape bucket tune it.
@@ -68,6 +68,19 @@ _stores: dict[int, Optional[Store]] = {}
 _forced: Optional[dict[str, Config]] = None
 _on_miss: Optional[bool] = None
 _lock = threading.RLock()
+_generation = 0  # bumped whenever an answer of selection() / tuned_config() may change
+
+
+def generation() -> int:
+    """A counter that changes whenever the answers of :func:`selection` and :func:`tuned_config`
+    may change (store replaced or cleared, results recorded, a candidate forced): callers that
+    cache a planned launch compare it."""
+    return _generation
+
+
+def _bump() -> None:
+    global _generation
+    _generation += 1
 _warned: set[str] = set()
 
 
@@ -103,10 +116,12 @@ def forced(method: str, config: Config) -> Iterator[None]:
     others): how the tuner runs one candidate through the ordinary call path."""
     global _forced
     prev, _forced = _forced, {method: config}
+    _bump()
     try:
         yield
     finally:
         _forced = prev
+        _bump()
 
 
 # -------------------------------------------------------------------------- resolution --- #
@@ -157,12 +172,14 @@ def use_store(device_index: int, store: Optional[Store]) -> None:
     with _lock:
         _stores[device_index] = store
         _selections.clear()
+        _bump()
 
 
 def clear(stores: bool = True) -> None:
     """Forget the memoised selections (and, with ``stores``, the stores: files are re-read)."""
     with _lock:
         _selections.clear()
+        _bump()
         if stores:
             _stores.clear()
 

@@ -15,12 +15,12 @@ import torch
 
 from ..decay import LogDecay
 
-from ..autotune import selection
+from ..autotune import generation, selection
 from ..runtime import kernels_available
 from . import block, chunk, fleet, recursion, scan, vanilla
 from ._torch_common import TorchForward, run_torch_path
 
-__all__ = ["Method", "METHODS", "run_method", "auto_method", "kernel_instances"]
+__all__ = ["Method", "METHODS", "run_method", "auto_method", "kernel_instances", "plan_epoch"]
 
 KernelForward = Callable[..., Optional[torch.Tensor]]
 
@@ -34,8 +34,17 @@ class Method:
     torch_forward: TorchForward
     kernel_forward: Optional[KernelForward] = None
     kernel_supports: Optional[Callable[[torch.Tensor, torch.Tensor], bool]] = None
-    #: Whether ``kernel_forward`` takes the ``fp32_precision`` keyword (its fp32 kernel has modes).
+    #: ``(q, k, v, log_decay, scale, out, need_state) -> launcher``: plans the kernel call once for
+    #: views with unit stride along D; ``launcher(q, k, v, out, initial_state)`` repeats it with new
+    #: tensors of the same shapes, strides and alignment (the API caches it per call signature).
+    kernel_prepare: Optional[Callable[..., Callable[..., Optional[torch.Tensor]]]] = None
+    #: Whether ``kernel_forward`` and ``kernel_prepare`` take the ``fp32_precision`` keyword (its fp32
+    #: kernel has modes).
     fp32_modes: bool = False
+
+    def kernel_kwargs(self, fp32_precision: str) -> dict:
+        """The keywords ``kernel_forward`` and ``kernel_prepare`` take beyond the common arguments."""
+        return {"fp32_precision": fp32_precision} if self.fp32_modes else {}
 
     def uses_kernel(self, q: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether a call with these inputs runs this method's CUDA kernel."""
@@ -54,7 +63,8 @@ METHODS: dict[str, Method] = {
     "scan": Method("scan", "O(N Dk Dv) work in N sequential steps, O(N D + Dk Dv) memory",
                    scan.torch_forward, scan.kernel_forward, scan.kernel_supports),
     "chunk": Method("chunk", "O(N C (Dk+Dv) + N Dk Dv) work, O(N D + N Dk Dv / C) memory",
-                    chunk.torch_forward, chunk.kernel_forward, chunk.kernel_supports, fp32_modes=True),
+                    chunk.torch_forward, chunk.kernel_forward, chunk.kernel_supports, chunk.kernel_prepare,
+                    fp32_modes=True),
 }
 
 _warned_no_cupy = False
@@ -87,6 +97,12 @@ def auto_method(q: torch.Tensor, v: torch.Tensor) -> str:
     return "scan" if METHODS["scan"].uses_kernel(q, v) else "chunk"
 
 
+def plan_epoch() -> tuple:
+    """Changes whenever a planned kernel call may no longer be the one a new plan would make: the
+    autotune store's answers (:func:`rtkernels.autotune.generation`) and the chunk overrides."""
+    return (generation(), chunk.force_segments, chunk.force_wgmma, chunk.force_bv)
+
+
 def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                need_state: bool, fp32_precision: str = "exact") -> Optional[torch.Tensor]:
@@ -96,10 +112,8 @@ def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     others ignore it."""
     m = METHODS[name]
     if m.uses_kernel(q, v):
-        if m.fp32_modes:
-            return m.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state,
-                                    fp32_precision=fp32_precision)
-        return m.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state)
+        return m.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state,
+                                **m.kernel_kwargs(fp32_precision))
     return run_torch_path(m.torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)
 
 

@@ -37,8 +37,8 @@ import os
 from ..autotune import tuned_config
 from ..autotune.space import Limits, Problem, Space
 from ..decay import LogDecay
-from ..runtime import dtype_code, get_function, launch
-from ._launch import fwd_args, operands
+from ..runtime import dtype_code, get_function
+from ._launch import fwd_tail, unit_stride
 from ._torch_common import chunk_end_decays, inter_chunk, intra_chunk, scan_chunks, to_chunks, zero_state
 
 SOURCE = "chunk.cu"
@@ -370,6 +370,82 @@ def tuned_launch(config: tuple, dtype: torch.dtype, dk: int, dv: int, vec: bool,
                                     smem_limit), nseg)
 
 
+class ChunkLaunch:
+    """A planned call of the chunk kernel: kernel, grid, shared memory and every argument but the
+    data pointers, so that repeating the call with new tensors of the same shapes, strides and
+    alignment costs the pointer reads and the launch (the host path of a cached call).
+
+    ``launch(q, k, v, out, initial_state)`` takes the tensors (any views of the planned ones' memory
+    layout: only ``data_ptr()`` is read) and returns the final state when it was planned, else None.
+    The split-sequence strategy allocates its two ``[segments, B*H, Dk, Dv]`` fp32 state buffers per
+    call.
+    """
+
+    __slots__ = ("fused", "states", "scan", "device", "lg", "lg_ptr", "nseg", "state_shape", "need_state")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
+                 out: torch.Tensor, need_state: bool, fp32_precision: str = "exact"):
+        b, h, n, dk = q.shape
+        dv = v.shape[-1]
+        vec = _aligned(q) and _aligned(k) and _aligned(v)
+        dev = q.device.index
+        bh = b * h
+        exact = fp32_precision != "tf32"  # the float32 kernel's mode (16-bit inputs ignore it)
+        tuned = tuned_config("chunk", dev, q.dtype, bh, n, dk, dv)  # None: no store entry
+        if tuned and force_segments is None and force_wgmma is None and force_bv is None:
+            name, bv, nseg, smem, threads, opts = tuned_launch(tuned, q.dtype, dk, dv, vec, bh, _sm_count(dev),
+                                                               exact, _smem_limit(dev))
+        else:
+            name, bv, nseg, smem, threads, opts = _plan(q.dtype, dk, dv, vec, bh, n, dev, _overrides(), exact=exact)
+        seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
+        self.nseg = nseg = -(-n // seg_len)
+        fn = get_function(SOURCE, name, dev, extra_options=opts, dynamic_smem=smem)
+        grid, block, tail = (bh, -(-dv // bv), nseg), (threads, 1, 1), fwd_tail(q, k, v, out, scale)
+        # head: q, k, v, out, log-decay, initial state, final state pointers
+        self.fused = fn.bind(grid, block, smem, dev, 7, (*tail, seg_len, 0))
+        self.device = q.device
+        self.lg = log_decay.tensor(torch.float32)  # kept: the kernel reads it through a raw pointer
+        self.lg_ptr = self.lg.data_ptr()
+        self.need_state = need_state
+        self.state_shape = (b, h, dk, dv)
+        if nseg > 1:
+            self.states = fn.bind(grid, block, smem, dev, 7, (*tail, seg_len, 1))
+            total = bh * dk * dv
+            # head: segment states, entering states, initial state, final state, log-decay pointers
+            self.scan = get_function(SOURCE, "rtk_chunk_seg_scan", dev).bind(
+                (min(-(-total // 256), 4096), 1, 1), (256, 1, 1), 0, dev, 5,
+                (nseg, bh, h, dk * dv, seg_len, n - (nseg - 1) * seg_len))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 initial_state: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        s0 = initial_state
+        if s0 is not None and (s0.dtype != torch.float32 or not s0.is_contiguous()):
+            s0 = s0.to(torch.float32).contiguous()
+        s0p = 0 if s0 is None else s0.data_ptr()
+        final = torch.empty(self.state_shape, dtype=torch.float32, device=self.device) if self.need_state else None
+        fp = 0 if final is None else final.data_ptr()
+        qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if self.nseg == 1:
+            self.fused(qp, kp, vp, op, self.lg_ptr, s0p, fp)
+            return final
+        # split sequence: each segment's own state (no initial state), the scan over the segments'
+        # states, then the fused pass of each segment from its entering state
+        local = torch.empty((self.nseg, *self.state_shape), dtype=torch.float32, device=self.device)
+        s_in = torch.empty_like(local)
+        self.states(qp, kp, vp, op, self.lg_ptr, 0, local.data_ptr())
+        self.scan(local.data_ptr(), s_in.data_ptr(), s0p, fp, self.lg_ptr)
+        self.fused(qp, kp, vp, op, self.lg_ptr, s_in.data_ptr(), 0)
+        return final
+
+
+def kernel_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
+                   out: torch.Tensor, need_state: bool, fp32_precision: str = "exact") -> ChunkLaunch:
+    """Plan the kernel call for ``[B, H, N, D]`` views with unit stride along D (see
+    :class:`ChunkLaunch`): the autotune store's config for the shape bucket, else :func:`_plan`;
+    ``fp32_precision``: the float32 kernel's mode."""
+    return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, fp32_precision)
+
+
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool, fp32_precision: str = "exact") -> Optional[torch.Tensor]:
@@ -377,39 +453,5 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     a states-only pass per segment, a scan over the segment states, and the fused pass per segment
     starting from its state. ``fp32_precision`` ("exact" or "tf32") selects the float32 kernel's
     mode; 16-bit inputs ignore it."""
-    b, h, n, dk = q.shape
-    dv = v.shape[-1]
-    q, k, v, s0, final = operands(q, k, v, initial_state, need_state)
-    vec = _aligned(q) and _aligned(k) and _aligned(v)
-    dev = q.device.index
-    bh = b * h
-    exact = fp32_precision != "tf32"
-    tuned = tuned_config("chunk", dev, q.dtype, bh, n, dk, dv)  # None: no store entry
-    if tuned and force_segments is None and force_wgmma is None and force_bv is None:
-        name, bv, nseg, smem, threads, opts = tuned_launch(tuned, q.dtype, dk, dv, vec, bh, _sm_count(dev),
-                                                           exact, _smem_limit(dev))
-    else:
-        name, bv, nseg, smem, threads, opts = _plan(q.dtype, dk, dv, vec, bh, n, dev, _overrides(), exact=exact)
-    tiles = -(-dv // bv)
-    seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
-    nseg = -(-n // seg_len)
-    fn = get_function(SOURCE, name, dev, extra_options=opts, dynamic_smem=smem)
-    grid = (bh, tiles, nseg)
-    args = fwd_args(q, k, v, out, log_decay, s0, final, scale)
-    if nseg == 1:
-        launch(fn, grid, (threads, 1, 1), (*args, seg_len, 0), dev, shared_mem=smem)
-        return final
-    local = torch.empty(nseg, bh, dk, dv, dtype=torch.float32, device=q.device)
-    s_in = torch.empty_like(local)
-    lg = log_decay.tensor(torch.float32)
-    first = (*args[:5], 0, local.data_ptr(), *args[7:])  # no initial state, segment states out
-    launch(fn, grid, (threads, 1, 1), (*first, seg_len, 1), dev, shared_mem=smem)
-    scan_fn = get_function(SOURCE, "rtk_chunk_seg_scan", dev)
-    total = bh * dk * dv
-    launch(scan_fn, (min(-(-total // 256), 4096), 1, 1), (256, 1, 1),
-           (local.data_ptr(), s_in.data_ptr(), 0 if s0 is None else s0.data_ptr(),
-            0 if final is None else final.data_ptr(), lg.data_ptr(), nseg, bh, h, dk * dv, seg_len,
-            n - (nseg - 1) * seg_len), dev)
-    third = (*args[:5], s_in.data_ptr(), 0, *args[7:])  # each segment from its entering state
-    launch(fn, grid, (threads, 1, 1), (*third, seg_len, 0), dev, shared_mem=smem)
-    return final
+    q, k, v = unit_stride(q, k, v)
+    return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, fp32_precision)(q, k, v, out, initial_state)

@@ -21,7 +21,7 @@ from .compiler import BASE_OPTIONS, KernelCompileError
 from .sources import load_source
 
 __all__ = ["cupy_available", "kernels_available", "get_function", "launch", "cupy_stream", "Kernel",
-           "compile_log"]
+           "BoundLaunch", "compile_log"]
 
 _lock = threading.Lock()
 _compile_log: list[dict[str, Any]] = []
@@ -138,7 +138,8 @@ class Kernel:
         self._layouts: dict[int, tuple[struct.Struct, Any, int]] = {}
         self._lock = threading.Lock()
 
-    def _layout(self, args: Sequence[Any]) -> tuple[struct.Struct, Any, int]:
+    @staticmethod
+    def _layout(args: Sequence[Any]) -> tuple[struct.Struct, Any, int]:
         import ctypes
 
         fmt = "<" + "".join("d" if isinstance(a, float) else "q" for a in args)
@@ -146,6 +147,12 @@ class Kernel:
         base = ctypes.addressof(buf)
         params = (ctypes.c_void_p * len(args))(*[base + 8 * i for i in range(len(args))])
         return struct.Struct(fmt), (buf, params), ctypes.addressof(params)
+
+    def bind(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, device_index: int,
+             n_head: int, tail: Sequence[Any]) -> "BoundLaunch":
+        """This kernel with its grid, block, shared memory and every argument after the first
+        ``n_head`` fixed: see :class:`BoundLaunch`."""
+        return BoundLaunch(self, grid, block, shared_mem, device_index, n_head, tuple(tail))
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: Sequence[Any],
                shared_mem: int, device_index: int) -> None:
@@ -161,6 +168,37 @@ class Kernel:
             packer.pack_into(buf, 0, *args)
             self._launch_kernel(self._ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                                 shared_mem, stream, params_ptr, 0)
+
+
+class BoundLaunch:
+    """A launch of one kernel whose grid, block, shared memory and trailing arguments are fixed:
+    ``bound(*head)`` launches it on torch's current stream with the ``n_head`` leading arguments
+    (Python ints: pointers). The trailing arguments are packed once into a parameter buffer owned
+    by this object, so a call packs only the head (the host path of a cached API call)."""
+
+    __slots__ = ("kernel", "grid", "block", "shared_mem", "dev", "n_head", "tail", "_head", "_buf", "_params",
+                 "_lock")
+
+    def __init__(self, kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
+                 device_index: int, n_head: int, tail: tuple):
+        self.kernel, self.grid, self.block, self.shared_mem = kernel, grid, block, shared_mem
+        self.dev, self.n_head, self.tail = device_index, n_head, tail
+        self._lock = threading.Lock()
+        if kernel.fast:
+            packer, (buf, params), self._params = Kernel._layout((0,) * n_head + tail)
+            packer.pack_into(buf, 0, *((0,) * n_head), *tail)
+            self._buf, self._head = (buf, params), struct.Struct(f"<{n_head}q")
+
+    def __call__(self, *head: int) -> None:
+        k = self.kernel
+        if not k.fast or torch._C._cuda_getDevice() != self.dev:
+            launch(k, self.grid, self.block, (*head, *self.tail), self.dev, shared_mem=self.shared_mem)
+            return
+        g, b = self.grid, self.block
+        stream = _raw_stream(self.dev)
+        with self._lock:
+            self._head.pack_into(self._buf[0], 0, *head)
+            k._launch_kernel(k._ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream, self._params, 0)
 
 
 def launch(fn: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int],

@@ -1,0 +1,22 @@
+import time, torch
+def tm(fn, n=5000):
+    for _ in range(300): fn()
+    torch.cuda.synchronize(); t=time.perf_counter()
+    for _ in range(n): fn()
+    dt=(time.perf_counter()-t)/n*1e6; torch.cuda.synchronize(); return dt
+v = torch.randn(1,32,64,128, device="cuda").bfloat16()
+dev = v.device; shp=(1,32,64,128)
+print("empty(shape,dtype,device obj)", tm(lambda: torch.empty(shp, dtype=torch.bfloat16, device=dev)))
+print("empty(*shape,...)", tm(lambda: torch.empty(1,32,64,128, dtype=torch.bfloat16, device=dev)))
+print("v.new_empty(shape)", tm(lambda: v.new_empty(shp)))
+print("empty_like(v)", tm(lambda: torch.empty_like(v)))
+print("current_device", tm(lambda: torch.cuda.current_device()))
+print("_cuda_getDevice", tm(lambda: torch._C._cuda_getDevice()))
+print("raw stream", tm(lambda: torch._C._cuda_getCurrentRawStream(0)))
+print("data_ptr", tm(lambda: v.data_ptr()))
+print("stride", tm(lambda: v.stride()))
+print("shape", tm(lambda: v.shape))
+print("get_device", tm(lambda: v.get_device()))
+print("is_grad_enabled", tm(lambda: torch.is_grad_enabled()))
+print("requires_grad", tm(lambda: v.requires_grad))
+print("dtype", tm(lambda: v.dtype))
