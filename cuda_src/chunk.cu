@@ -54,6 +54,254 @@ struct rtk_chunk_smem {
   static __device__ __forceinline__ int s_off(int r, int p) { return SW ? rtk_swz_off(KMAX, r, p) : r * VS + p * 8; }
 };
 
+// ---- pieces both forward kernels share (rtk_chunk_fwd below, rtk_chunk_fwd_f32 at the end) ------
+
+// The CTA's place, as locals of a kernel whose q, k, v, o hold elements of type T and whose tile
+// has BV value columns: thread and warp roles, (batch, head), the value tile, and the
+// split-sequence strategy: CTA z handles tokens [z * seg_len, z * seg_len + NS) and its state
+// enters from / leaves to slot z of the state buffers (one segment, z = 0, otherwise).
+// kt_used: the k-steps of 2^KSHIFT columns that hold real q/k columns; ovec_full: the output rows
+// of the tile take paired stores (whole tile, pairs aligned).
+#define RTK_CHUNK_CTA(T, KSHIFT)                                                                  \
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;                                  \
+  const int g = lane >> 2, t4 = lane & 3;                                                         \
+  const bool out_warp = warp < 4;                                                                 \
+  const int bh = blockIdx.x, b = bh / H, h = bh - b * H;                                          \
+  const int v0 = blockIdx.y * BV;                                                                 \
+  const float lg2 = log_decay[h] * 1.4426950408889634f; /* log2(gamma) */                         \
+  const rtk_strides qs = {q_sb, q_sh, q_sn}, ks = {k_sb, k_sh, k_sn};                             \
+  const rtk_strides vs = {v_sb, v_sh, v_sn}, os = {o_sb, o_sh, o_sn};                             \
+  const rtk_i64 n_begin = (rtk_i64)blockIdx.z * seg_len;                                          \
+  const int NS = (int)min((rtk_i64)N - n_begin, seg_len);                                         \
+  const rtk_i64 state_slot = (rtk_i64)blockIdx.z * gridDim.x * Dk * Dv;                           \
+  const T* qb = q + rtk_offset(qs, b, h, n_begin);                                                \
+  const T* kb = k + rtk_offset(ks, b, h, n_begin);                                                \
+  const T* vb = v + rtk_offset(vs, b, h, n_begin) + v0;                                           \
+  T* ob = o + rtk_offset(os, b, h, n_begin);                                                      \
+  const int dv_here = min(BV, Dv - v0); /* value columns of this tile */                          \
+  const int kt_used = (Dk + (1 << KSHIFT) - 1) >> KSHIFT;                                         \
+  const bool ovec_full = dv_here == BV && ((o_sn & 1) == 0) &&                                    \
+                         ((reinterpret_cast<size_t>(ob + v0) & (2 * (int)sizeof(T) - 1)) == 0)
+
+// Loading one chunk into a stage, the state warps' job (they have slack). Thread st = tid - 128
+// copies 16-byte pieces (E elements) at a fixed column of rows st / PIECES + pass * ROWS, so every
+// address is a base pointer plus a multiple of the row stride. The pointers of pass 0 keep the
+// column inside the row when it lies past Dk or Dv: nothing is read there, the zero-fill does the
+// work.
+template <typename T, int KMAX, int BV>
+struct rtk_chunk_loader {
+  static constexpr int SZ = (int)sizeof(T), E = 16 / SZ;
+  static constexpr int QV = KMAX / E, VV = BV / E;          // 16-byte pieces per q/k row and per v row
+  static constexpr int QROWS = 128 / QV, VROWS = 128 / VV;  // rows one pass of the 128 loader threads covers
+  int st, qcol, qrow, vcol, vrow, qbytes, vbytes;
+  const T *qb, *kb, *vb, *q_first, *k_first, *v_first;
+  rtk_i64 q_sn, k_sn, v_sn;
+
+  __device__ __forceinline__ rtk_chunk_loader(int st_, int Dk, int dv_here, const T* qb_, const T* kb_,
+                                              const T* vb_, rtk_i64 q_sn_, rtk_i64 k_sn_, rtk_i64 v_sn_)
+      : st(st_), qcol((st_ % QV) * E), qrow(st_ / QV), vcol((st_ % VV) * E), vrow(st_ / VV),
+        qbytes(max(0, min(16, (Dk - qcol) * SZ))), vbytes(max(0, min(16, (dv_here - vcol) * SZ))),
+        qb(qb_), kb(kb_), vb(vb_),
+        q_first(qb_ + (rtk_i64)qrow * q_sn_ + (qbytes ? qcol : 0)),
+        k_first(kb_ + (rtk_i64)qrow * k_sn_ + (qbytes ? qcol : 0)),
+        v_first(vb_ + (rtk_i64)vrow * v_sn_ + (vbytes ? vcol : 0)), q_sn(q_sn_), k_sn(k_sn_), v_sn(v_sn_) {}
+
+  // cp.async of chunk rows n0 .. n0 + C - 1 (those < NS; the rest zero-filled) to this thread's
+  // pieces at shared addresses dq, dk, dv (row strides KS and VS elements); q only when with_q
+  // (the states-only pass of the split-sequence strategy reads no q).
+  template <int C, int KS, int VS>
+  __device__ __forceinline__ void copy(rtk_u32 dq, rtk_u32 dk, rtk_u32 dv, int n0, int NS, bool with_q) const {
+    const char* qp = reinterpret_cast<const char*>(q_first + (rtk_i64)n0 * q_sn);
+    const char* kp = reinterpret_cast<const char*>(k_first + (rtk_i64)n0 * k_sn);
+    const char* vp = reinterpret_cast<const char*>(v_first + (rtk_i64)n0 * v_sn);
+    const rtk_i64 qstep = SZ * QROWS * q_sn, kstep = SZ * QROWS * k_sn, vstep = SZ * VROWS * v_sn;
+    if (n0 + C <= NS) {  // a whole chunk: no row checks
+      #pragma unroll
+      for (int u = 0; u < C / QROWS; ++u, qp += qstep, kp += kstep) {
+        if (with_q) rtk_cp_async16(dq + SZ * u * QROWS * KS, qp, qbytes);
+        rtk_cp_async16(dk + SZ * u * QROWS * KS, kp, qbytes);
+      }
+      #pragma unroll
+      for (int u = 0; u < C / VROWS; ++u, vp += vstep) rtk_cp_async16(dv + SZ * u * VROWS * VS, vp, vbytes);
+    } else {
+      #pragma unroll
+      for (int u = 0; u < C / QROWS; ++u, qp += qstep, kp += kstep) {
+        const bool in = n0 + qrow + u * QROWS < NS;
+        if (with_q) rtk_cp_async16(dq + SZ * u * QROWS * KS, in ? (const void*)qp : (const void*)qb, in ? qbytes : 0);
+        rtk_cp_async16(dk + SZ * u * QROWS * KS, in ? (const void*)kp : (const void*)kb, in ? qbytes : 0);
+      }
+      #pragma unroll
+      for (int u = 0; u < C / VROWS; ++u, vp += vstep) {
+        const bool in = n0 + vrow + u * VROWS < NS;
+        rtk_cp_async16(dv + SZ * u * VROWS * VS, in ? (const void*)vp : (const void*)vb, in ? vbytes : 0);
+      }
+    }
+  }
+};
+
+// An output warp's decay factors, fixed for the whole sequence; the warp owns rows r0 .. r0+15 of
+// each chunk, (g, t4) are the thread's fragment coordinates. gamma^(8 - 2 t4 - e) for the thread's
+// two key columns in an 8-wide tile (exponents 1..8), gamma^8 to step one tile to the left,
+// gamma^(t - r0) * scale for its two rows (t = r0 + g, + 8), gamma^(r0 + 1), and gamma^(t - s) *
+// scale inside the 16 x 16 diagonal block (-1 where s > t: the mask is a select).
+struct rtk_chunk_decay {
+  float col_f0, col_f1, g8, row_lo, row_hi, inter0, diag[2][4];
+
+  __device__ __forceinline__ rtk_chunk_decay(float lg2, float scale, int g, int t4, int r0) {
+    col_f0 = rtk_exp2(lg2 * (float)(8 - 2 * t4));
+    col_f1 = rtk_exp2(lg2 * (float)(7 - 2 * t4));
+    g8 = rtk_exp2(lg2 * 8.f);
+    row_lo = rtk_exp2(lg2 * (float)g) * scale;
+    row_hi = rtk_exp2(lg2 * (float)(g + 8)) * scale;
+    inter0 = rtk_exp2(lg2 * (float)(r0 + 1));
+    #pragma unroll
+    for (int jd = 0; jd < 2; ++jd)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int dt = g + (e >> 1) * 8 - (jd * 8 + 2 * t4 + (e & 1));
+        diag[jd][e] = dt >= 0 ? rtk_exp2(lg2 * (float)dt) * scale : -1.f;
+      }
+  }
+  // The scores p[j] of key tiles j left of warp w's diagonal block times gamma^(r0-s): tile j
+  // lies 8(2w-1-j) + (8 - 2 t4 - e) to the left of r0 (the rows' gamma^(t-r0) comes later).
+  __device__ __forceinline__ void scale_left(float (&p)[8][4], int w) const {
+    float step = 1.f;
+    #pragma unroll
+    for (int j = 7; j >= 0; --j) {
+      if (j < 2 * w) {
+        const float f0 = col_f0 * step, f1 = col_f1 * step;
+        p[j][0] *= f0; p[j][1] *= f1; p[j][2] *= f0; p[j][3] *= f1;
+        step *= g8;
+      }
+    }
+  }
+  // Output rows times gamma^(t - r0) * scale.
+  template <int NT> __device__ __forceinline__ void scale_rows(float (&o_acc)[NT][4]) const {
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      o_acc[nt][0] *= row_lo; o_acc[nt][1] *= row_lo;
+      o_acc[nt][2] *= row_hi; o_acc[nt][3] *= row_hi;
+    }
+  }
+  // Tile jd of the diagonal block: gamma^(t-s) * scale for s <= t, a select (not a product) above
+  // it (q.k may be Inf there).
+  __device__ __forceinline__ void mask_diag(float (&x)[4], int jd) const {
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] = diag[jd][e] >= 0.f ? x[e] * diag[jd][e] : 0.f;
+  }
+};
+
+// Zero the accumulators of fragments.
+template <int A, int B> __device__ __forceinline__ void rtk_zero(float (&x)[A][B]) {
+  #pragma unroll
+  for (int i = 0; i < A; ++i)
+    #pragma unroll
+    for (int j = 0; j < B; ++j) x[i][j] = 0.f;
+}
+
+// Rare (a chunk's v holds Inf/NaN): set to NaN the outputs of warp rows r0 .. r0+15 that a
+// non-finite v_s reaches (rows t >= s of the same column); bad(s, c) is true (nonzero) where
+// v_s[c] is one.
+template <int NT, class Bad>
+__device__ __forceinline__ void rtk_chunk_mark_nonfinite(float (&o_acc)[NT][4], int r0, int g, int t4, Bad bad) {
+  #pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int t = r0 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
+      bool hit = false;
+      for (int s2 = 0; s2 <= t; ++s2) hit |= bad(s2, c);
+      if (hit) o_acc[nt][e] = __int_as_float(0x7fc00000);
+    }
+}
+
+// Two adjacent outputs as one store (4 bytes for 16-bit types, 8 for fp32).
+template <int DT> __device__ __forceinline__ void rtk_store_pair(typename rtk_io<DT>::T* p, float lo, float hi) {
+  if constexpr (DT == RTK_F32) {
+    float2 pair;
+    pair.x = lo;
+    pair.y = hi;
+    *reinterpret_cast<float2*>(p) = pair;
+  } else {
+    *reinterpret_cast<rtk_u32*>(p) = rtk_pack2<DT>(lo, hi);
+  }
+}
+
+// Store an output warp's rows t = r0 + g (+8) < len of the chunk at token n0 (the scale is already
+// in the row and diagonal factors); paired stores where ovec_full, else column by column.
+template <int DT, int NT>
+__device__ __forceinline__ void rtk_chunk_store_rows(typename rtk_io<DT>::T* ob, const float (&o_acc)[NT][4],
+                                                     int n0, int r0, int g, int t4, int len, rtk_i64 o_sn,
+                                                     int v0, int dv_here, bool ovec_full) {
+  #pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int t = r0 + g + hh * 8;
+    if (t < len) {
+      typename rtk_io<DT>::T* orow = ob + ((rtk_i64)n0 + t) * o_sn + v0 + 2 * t4;
+      if (ovec_full) {  // the usual case: whole tile, aligned pairs
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) rtk_store_pair<DT>(orow + nt * 8, o_acc[nt][2 * hh], o_acc[nt][2 * hh + 1]);
+      } else {
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int c = nt * 8 + 2 * t4;
+          if (c < dv_here) rtk_io<DT>::store(orow + nt * 8, o_acc[nt][2 * hh]);
+          if (c + 1 < dv_here) rtk_io<DT>::store(orow + nt * 8 + 1, o_acc[nt][2 * hh + 1]);
+        }
+      }
+    }
+  }
+}
+
+// A state warp's fp32 fragment of S (rows sr0 .. sr0 + 16 MT - 1, the tile's NT n-tiles): where
+// element (mt, nt, e) lives in a [slots, B*H, Dk, Dv] buffer, and whether it is a real (row < Dk,
+// column < Dv) element; loading the initial state and storing the final one.
+template <int MT, int NT>
+struct rtk_chunk_state {
+  int sr0, g, t4, bh, Dk, Dv, v0, dv_here;
+  rtk_i64 state_slot;
+
+  __device__ __forceinline__ bool at(int mt, int nt, int e, rtk_i64& off) const {
+    const int r = sr0 + mt * 16 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
+    off = state_slot + ((rtk_i64)bh * Dk + r) * Dv + v0 + c;
+    return r < Dk && c < dv_here;
+  }
+  // f(mt, nt, e, off, real) for each element of the fragment (off and real as in at()).
+  template <class F> __device__ __forceinline__ void elems(F f) const {
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          rtk_i64 off;
+          const bool real = at(mt, nt, e, off);
+          f(mt, nt, e, off, real);
+        }
+  }
+  __device__ __forceinline__ void load(float (&s_acc)[MT][NT][4], const float* init_state) const {
+    elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {
+      s_acc[mt][nt][e] = (init_state != nullptr && real) ? init_state[off] : 0.f;
+    });
+  }
+  __device__ __forceinline__ void store(const float (&s_acc)[MT][NT][4], float* final_state) const {
+    if (final_state == nullptr) return;
+    elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {
+      if (real) final_state[off] = s_acc[mt][nt][e];
+    });
+  }
+  // f(r, c, lo, hi) for each pair of adjacent elements (row r, columns c and c + 1) of the fragment.
+  template <class F> __device__ __forceinline__ void pairs(const float (&s_acc)[MT][NT][4], F f) const {
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          f(sr0 + mt * 16 + g + hh * 8, nt * 8 + 2 * t4, s_acc[mt][nt][2 * hh], s_acc[mt][nt][2 * hh + 1]);
+  }
+};
+
 // MINB: CTAs per SM the register budget is sized for (2: 128 registers a thread, for grids of
 // more than one wave; 1: no spills, for grids that give each SM at most one CTA anyway).
 // WG (sm_90a only, KMAX <= 128, BV a multiple of 64): the output warps form one warpgroup that
@@ -90,76 +338,21 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
     return (fin && m > 0.f) ? min(60, max(-60, 14 - (int)ceilf(log2f(m)))) : 0;
   };
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const bool out_warp = warp < 4;
-  const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
-  const int v0 = blockIdx.y * BV;
-  const float lg2 = log_decay[h] * 1.4426950408889634f;  // log2(gamma)
+  RTK_CHUNK_CTA(rtk_u16, 4);  // k-steps of 16 columns
 
-  const rtk_strides qs = {q_sb, q_sh, q_sn}, ks = {k_sb, k_sh, k_sn};
-  const rtk_strides vs = {v_sb, v_sh, v_sn}, os = {o_sb, o_sh, o_sn};
-  // Split-sequence strategy: CTA z handles tokens [z * seg_len, z * seg_len + NS) and its state
-  // enters from / leaves to slot z of the state buffers (one segment, z = 0, otherwise).
-  const rtk_i64 n_begin = (rtk_i64)blockIdx.z * seg_len;
-  const int NS = (int)min((rtk_i64)N - n_begin, seg_len);
-  const rtk_i64 state_slot = (rtk_i64)blockIdx.z * gridDim.x * Dk * Dv;
-  const rtk_u16* qb = q + rtk_offset(qs, b, h, n_begin);
-  const rtk_u16* kb = k + rtk_offset(ks, b, h, n_begin);
-  const rtk_u16* vb = v + rtk_offset(vs, b, h, n_begin) + v0;
-  rtk_u16* ob = o + rtk_offset(os, b, h, n_begin);
-  const int dv_here = min(BV, Dv - v0);  // value columns of this tile
-  const int kt_used = (Dk + 15) >> 4;     // 16-wide k-steps that hold real q/k columns
-  const bool ovec_full = dv_here == BV && ((o_sn & 1) == 0) && ((reinterpret_cast<size_t>(ob + v0) & 3) == 0);
-
-  // ---- loading one chunk into a stage: the state warps' job (they have slack) -----------------
-  // Thread st = tid - 128 copies 16-byte pieces at a fixed column of rows st / PIECES + pass * ROWS,
-  // so every address is a base pointer plus a multiple of the row stride.
-  constexpr int QV = KMAX / 8, VV = BV / 8;         // 16-byte pieces per q/k row and per v row
-  constexpr int QROWS = 128 / QV, VROWS = 128 / VV;  // rows one pass of the 128 loader threads covers
-  const int st = tid - 128;
-  const int qcol = (st % QV) * 8, qrow = st / QV;
-  const int vcol = (st % VV) * 8, vrow = st / VV;
-  const int qbytes = max(0, min(16, (Dk - qcol) * 2));
-  const int vbytes = max(0, min(16, (dv_here - vcol) * 2));
-  // The pointers of pass 0 (column kept inside the row when it lies past Dk or Dv: nothing is
-  // read there, the zero-fill does the work) and the byte step between passes.
-  const rtk_u16* q_first = qb + (rtk_i64)qrow * q_sn + (qbytes ? qcol : 0);
-  const rtk_u16* k_first = kb + (rtk_i64)qrow * k_sn + (qbytes ? qcol : 0);
-  const rtk_u16* v_first = vb + (rtk_i64)vrow * v_sn + (vbytes ? vcol : 0);
+  typedef rtk_chunk_loader<rtk_u16, KMAX, BV> LD;
+  const LD ld(tid - 128, Dk, dv_here, qb, kb, vb, q_sn, k_sn, v_sn);
+  constexpr int VROWS = LD::VROWS;
+  const int st = ld.st, vcol = ld.vcol, vrow = ld.vrow;
   auto load_chunk = [&](int chunk, int stage) {
     rtk_u16* sQ = sm + stage * L::STAGE + L::Q;
     rtk_u16* sK = sm + stage * L::STAGE + L::K;
     rtk_u16* sV = sm + stage * L::STAGE + L::V;
     const int n0 = chunk * C;
     if (VEC) {
-      const rtk_u32 dq = rtk_smem_addr(sQ + L::qk_off(qrow, qcol >> 3)), dk = rtk_smem_addr(sK + L::qk_off(qrow, qcol >> 3));
-      const rtk_u32 dv = rtk_smem_addr(sV + L::v_off(vrow, vcol >> 3));
-      const char* qp = reinterpret_cast<const char*>(q_first + (rtk_i64)n0 * q_sn);
-      const char* kp = reinterpret_cast<const char*>(k_first + (rtk_i64)n0 * k_sn);
-      const char* vp = reinterpret_cast<const char*>(v_first + (rtk_i64)n0 * v_sn);
-      const rtk_i64 qstep = 2 * QROWS * q_sn, kstep = 2 * QROWS * k_sn, vstep = 2 * VROWS * v_sn;
-      if (n0 + C <= NS) {  // a whole chunk: no row checks
-        #pragma unroll
-        for (int u = 0; u < C / QROWS; ++u, qp += qstep, kp += kstep) {
-          if (!states_only) rtk_cp_async16(dq + 2 * u * QROWS * KS, qp, qbytes);
-          rtk_cp_async16(dk + 2 * u * QROWS * KS, kp, qbytes);
-        }
-        #pragma unroll
-        for (int u = 0; u < C / VROWS; ++u, vp += vstep) rtk_cp_async16(dv + 2 * u * VROWS * VS, vp, vbytes);
-      } else {
-        #pragma unroll
-        for (int u = 0; u < C / QROWS; ++u, qp += qstep, kp += kstep) {
-          const bool in = n0 + qrow + u * QROWS < NS;
-          if (!states_only) rtk_cp_async16(dq + 2 * u * QROWS * KS, in ? (const void*)qp : (const void*)qb, in ? qbytes : 0);
-          rtk_cp_async16(dk + 2 * u * QROWS * KS, in ? (const void*)kp : (const void*)kb, in ? qbytes : 0);
-        }
-        #pragma unroll
-        for (int u = 0; u < C / VROWS; ++u, vp += vstep) {
-          const bool in = n0 + vrow + u * VROWS < NS;
-          rtk_cp_async16(dv + 2 * u * VROWS * VS, in ? (const void*)vp : (const void*)vb, in ? vbytes : 0);
-        }
-      }
+      ld.template copy<C, KS, VS>(rtk_smem_addr(sQ + L::qk_off(ld.qrow, ld.qcol >> 3)),
+                                  rtk_smem_addr(sK + L::qk_off(ld.qrow, ld.qcol >> 3)),
+                                  rtk_smem_addr(sV + L::v_off(vrow, vcol >> 3)), n0, NS, !states_only);
     } else {
       for (int e = st; e < C * KMAX; e += 128) {
         const int r = e / KMAX, col = e - r * KMAX;
@@ -220,22 +413,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
   if (out_warp) {
     // ---- output warps: per-thread decay factors, fixed for the whole sequence -----------------
     const int w = warp, r0 = 16 * warp;  // this warp's rows r0 .. r0+15 of each chunk
-    // gamma^(8 - 2 t4 - e) for the thread's two key columns in an 8-wide tile (exponents 1..8),
-    // gamma^8 to step one tile to the left, gamma^(t - r0) * scale for its two rows (t = r0 + g,
-    // + 8), gamma^(r0 + 1), and gamma^(t - s) * scale inside the 16 x 16 diagonal block (-1 where
-    // s > t: the mask is a select).
-    const float col_f0 = rtk_exp2(lg2 * (float)(8 - 2 * t4)), col_f1 = rtk_exp2(lg2 * (float)(7 - 2 * t4));
-    const float g8 = rtk_exp2(lg2 * 8.f);
-    const float row_lo = rtk_exp2(lg2 * (float)g) * scale, row_hi = rtk_exp2(lg2 * (float)(g + 8)) * scale;
-    const float inter0 = rtk_exp2(lg2 * (float)(r0 + 1));
-    float diag[2][4];
-    #pragma unroll
-    for (int jd = 0; jd < 2; ++jd)
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int dt = g + (e >> 1) * 8 - (jd * 8 + 2 * t4 + (e & 1));
-        diag[jd][e] = dt >= 0 ? rtk_exp2(lg2 * (float)dt) * scale : -1.f;
-      }
+    const rtk_chunk_decay dec(lg2, scale, g, t4, r0);
     float s_inv = 1.f;  // the state copy holds S * 2^e (fp16); s_inv = 2^-e
     __syncthreads();    // (matches the state warps' start barrier: the first state copy)
 
@@ -306,7 +484,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
         // P: gamma^(t-s) * scale for s <= t (left of the diagonal block as row factor x column
         // factor, inside it directly), 0 above the diagonal (a select: q.k may be Inf there)
         // (left of the diagonal block, right to left: gamma^(r0-s) = col_f * gamma^(8 tiles))
-        float step_lo = row_lo, step_hi = row_hi;
+        float step_lo = dec.row_lo, step_hi = dec.row_hi;
         #pragma unroll
         for (int j = 7; j >= 0; --j)
           #pragma unroll
@@ -314,10 +492,10 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
             const int dj = j - 2 * w;
             float& x = p[j][e];
             if (dj < 0) {
-              x *= ((e & 1) ? col_f1 : col_f0) * ((e >> 1) ? step_hi : step_lo);
-              if (e == 3) { step_lo *= g8; step_hi *= g8; }
+              x *= ((e & 1) ? dec.col_f1 : dec.col_f0) * ((e >> 1) ? step_hi : step_lo);
+              if (e == 3) { step_lo *= dec.g8; step_hi *= dec.g8; }
             } else if (dj < 2) {
-              const float d = dj == 0 ? diag[0][e] : diag[1][e];
+              const float d = dj == 0 ? dec.diag[0][e] : dec.diag[1][e];
               x = d >= 0.f ? x * d : 0.f;
             } else {
               x = 0.f;
@@ -327,7 +505,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
         #pragma unroll
         for (int nb = 0; nb < BV / 64; ++nb) rtk_wg_pin(reinterpret_cast<float (&)[32]>(o_acc[8 * nb]));
         // q S rows: gamma^(t+1) * scale (and the fp16 copy's 2^-e)
-        const float f_lo = inter0 * s_inv * row_lo, f_hi = inter0 * s_inv * row_hi;
+        const float f_lo = dec.inter0 * s_inv * dec.row_lo, f_hi = dec.inter0 * s_inv * dec.row_hi;
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           o_acc[nt][0] *= f_lo; o_acc[nt][1] *= f_lo;
@@ -360,14 +538,8 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
           for (int kk = 0; kk < 4; ++kk) pv(kk);
         }
       } else {
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) o_acc[nt][e] = 0.f;
-        #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
+        rtk_zero(o_acc);
+        rtk_zero(p);
 
         // q_t S and q_t . k_s, sharing the q fragments
         #pragma unroll RTK_KUNROLL
@@ -395,105 +567,41 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
 
         // gamma^(r0+1) q_t S (undoing the copy's 2^e); the keys left of the diagonal block get
         // gamma^(r0-s): tile j lies 8(2w-1-j) + (8 - 2 t4 - e) to the left of r0
-        const float fi = inter0 * s_inv;
+        const float fi = dec.inter0 * s_inv;
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
           #pragma unroll
           for (int e = 0; e < 4; ++e) o_acc[nt][e] *= fi;
-        {
-          float step = 1.f;
-          #pragma unroll
-          for (int j = 7; j >= 0; --j) {
-            if (j < 2 * w) {
-              const float f0 = col_f0 * step, f1 = col_f1 * step;
-              p[j][0] *= f0; p[j][1] *= f1; p[j][2] *= f0; p[j][3] *= f1;
-              step *= g8;
-            }
-          }
-        }
+        dec.scale_left(p, w);
         #pragma unroll
         for (int kk = 0; kk < 3; ++kk)
           if (kk < w) pv(kk);
-        // rows: gamma^(t - r0) * scale
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          o_acc[nt][0] *= row_lo; o_acc[nt][1] *= row_lo;
-          o_acc[nt][2] *= row_hi; o_acc[nt][3] *= row_hi;
-        }
-        // the diagonal block: gamma^(t-s) * scale for s <= t, a select (not a product) above it;
-        // tiles are picked with compile-time indices so p stays in registers
+        dec.scale_rows(o_acc);
+        // the diagonal block; tiles are picked with compile-time indices so p stays in registers
         #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           if (kk == w) {
             #pragma unroll
-            for (int jd = 0; jd < 2; ++jd)
-              #pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                float& x = p[2 * kk + jd][e];
-                x = diag[jd][e] >= 0.f ? x * diag[jd][e] : 0.f;
-              }
+            for (int jd = 0; jd < 2; ++jd) dec.mask_diag(p[2 * kk + jd], jd);
             pv(kk);
           }
         }
 
       }
       if (v_bad && __any_sync(0xffffffffu, saw_bad)) {
-        // rare: mark the outputs a non-finite v_s reaches (rows t >= s of the same column)
         const rtk_u16* sV = sm + stage * L::STAGE + L::V;
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int t = r0 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
-            bool hit = false;
-            for (int s2 = 0; s2 <= t; ++s2) hit |= (sV[L::v_off(s2, c >> 3) + (c & 7)] & EXP) == EXP;
-            if (hit) o_acc[nt][e] = __int_as_float(0x7fc00000);
-          }
+        rtk_chunk_mark_nonfinite(o_acc, r0, g, t4,
+                                 [&](int s2, int c) -> int { return (sV[L::v_off(s2, c >> 3) + (c & 7)] & EXP) == EXP; });
       }
-
-      // store this warp's output rows (the scale is already in the row and diagonal factors)
-      #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int t = r0 + g + hh * 8;
-        if (t < len) {
-          rtk_u16* orow = ob + ((rtk_i64)n0 + t) * o_sn + v0 + 2 * t4;
-          if (ovec_full) {  // the usual case: whole tile, 4-byte aligned pairs
-            #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-              *reinterpret_cast<rtk_u32*>(orow + nt * 8) = rtk_pack2<DT>(o_acc[nt][2 * hh], o_acc[nt][2 * hh + 1]);
-          } else {
-            #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              const int c = nt * 8 + 2 * t4;
-              if (c < dv_here) rtk_io<DT>::store(orow + nt * 8, o_acc[nt][2 * hh]);
-              if (c + 1 < dv_here) rtk_io<DT>::store(orow + nt * 8 + 1, o_acc[nt][2 * hh + 1]);
-            }
-          }
-        }
-      }
+      rtk_chunk_store_rows<DT>(ob, o_acc, n0, r0, g, t4, len, o_sn, v0, dv_here, ovec_full);
       __syncthreads();  // (B) done with the state copy and with this stage
     }
   } else {
     // ---- state warps: fp32 state in registers, 16-bit copy in shared memory --------------------
     const int sr0 = (warp - 4) * MT * 16;  // first state row of a state warp
     float s_acc[MT][NT][4];
-    // Where fragment element (mt, nt, e) of the state lives in a [slots, B*H, Dk, Dv] buffer, and
-    // whether it is a real (row < Dk, column < Dv) element.
-    auto state_elem = [&](int mt, int nt, int e, rtk_i64& off) -> bool {
-      const int r = sr0 + mt * 16 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
-      off = state_slot + ((rtk_i64)bh * Dk + r) * Dv + v0 + c;
-      return r < Dk && c < dv_here;
-    };
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          rtk_i64 off;
-          const bool real = state_elem(mt, nt, e, off);
-          s_acc[mt][nt][e] = (init_state != nullptr && real) ? init_state[off] : 0.f;
-        }
+    const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, state_slot};
+    sf.load(s_acc, init_state);
     auto publish_max = [&](int slot) {  // fp16: before a barrier the output warps also pass
       if (DT != RTK_F16) return;
       float m = 0.f;
@@ -511,16 +619,9 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
     auto store_state_copy = [&](int slot) {  // after that barrier
       const float mul = DT == RTK_F16 ? exp2f((float)copy_exponent(slot)) : 1.f;
       rtk_u16* sS = sm + L::S;
-      #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = sr0 + mt * 16 + g + hh * 8, c = nt * 8 + 2 * t4;
-            *reinterpret_cast<rtk_u32*>(sS + L::s_off(r, c >> 3) + (c & 7)) =
-                rtk_pack2<DT>(s_acc[mt][nt][2 * hh] * mul, s_acc[mt][nt][2 * hh + 1] * mul);
-          }
+      sf.pairs(s_acc, [&](int r, int c, float lo, float hi) {
+        rtk_store_pair<DT>(sS + L::s_off(r, c >> 3) + (c & 7), lo * mul, hi * mul);
+      });
     };
     publish_max(1);
     __syncthreads();  // (matches the output warps' start barrier)
@@ -576,17 +677,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
       __syncthreads();  // (B) the output warps are done with the state copy, everyone with this stage
       store_state_copy(chunk & 1);
     }
-    if (final_state != nullptr) {
-      #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            rtk_i64 off;
-            if (state_elem(mt, nt, e, off)) final_state[off] = s_acc[mt][nt][e];
-          }
-    }
+    sf.store(s_acc, final_state);
   }
 
 }
@@ -618,7 +709,10 @@ __global__ void rtk_chunk_seg_scan(const float* __restrict__ local, float* __res
 // =================================================================================================
 // rtk_chunk_fwd_f32: fp32 inputs on TF32 tensor cores (mma.sync m16n8k8), same algorithm, same
 // warp roles, same barriers and the same parameters as rtk_chunk_fwd (so the launch code, the
-// split-sequence strategy and rtk_chunk_seg_scan serve both).
+// split-sequence strategy and rtk_chunk_seg_scan serve both). The pieces that do not depend on
+// the element type or the mma shape are shared with rtk_chunk_fwd (RTK_CHUNK_CTA, the loader, the
+// decay factors, the NaN marking, the output stores, the state's load and store; see above); like
+// it, the states-only pass loads no q.
 //
 // EXACT (3xTF32): every mma operand x -- q, k, v, the decayed scores P, the state copy and
 // k_s * gamma^(len-1-s) -- is split as x = hi + lo (rtk_split_tf32) and each product is formed as
@@ -671,42 +765,13 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
   float* const sm = reinterpret_cast<float*>(smem_raw);
   float* const sS = sm + L::S;
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const bool out_warp = warp < 4;
-  const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
-  const int v0 = blockIdx.y * BV;
-  const float lgd = log_decay[h];                  // log(gamma)
-  const float lg2 = lgd * 1.4426950408889634f;     // log2(gamma)
+  RTK_CHUNK_CTA(float, 3);  // k-steps of 8 columns
+  const float lgd = log_decay[h];  // log(gamma)
 
-  const rtk_strides qs = {q_sb, q_sh, q_sn}, ks = {k_sb, k_sh, k_sn};
-  const rtk_strides vs = {v_sb, v_sh, v_sn}, os = {o_sb, o_sh, o_sn};
-  // Split-sequence strategy: CTA z handles tokens [z * seg_len, z * seg_len + NS) and its state
-  // enters from / leaves to slot z of the state buffers (one segment, z = 0, otherwise).
-  const rtk_i64 n_begin = (rtk_i64)blockIdx.z * seg_len;
-  const int NS = (int)min((rtk_i64)N - n_begin, seg_len);
-  const rtk_i64 state_slot = (rtk_i64)blockIdx.z * gridDim.x * Dk * Dv;
-  const float* qb = q + rtk_offset(qs, b, h, n_begin);
-  const float* kb = k + rtk_offset(ks, b, h, n_begin);
-  const float* vb = v + rtk_offset(vs, b, h, n_begin) + v0;
-  float* ob = o + rtk_offset(os, b, h, n_begin);
-  const int dv_here = min(BV, Dv - v0);  // value columns of this tile
-  const int kt_used = (Dk + 7) >> 3;      // 8-wide k-steps that hold real q/k columns
-  const bool ovec_full = dv_here == BV && ((o_sn & 1) == 0) && ((reinterpret_cast<size_t>(ob + v0) & 7) == 0);
-
-  // ---- loading one chunk into a stage: the state warps' job ------------------------------------
-  // Thread st = tid - 128 copies 16-byte pieces (4 floats) at a fixed column of rows
-  // st / PIECES + pass * ROWS.
-  constexpr int QV = KMAX / 4, VV = BV / 4;          // 16-byte pieces per q/k row and per v row
-  constexpr int QROWS = 128 / QV, VROWS = 128 / VV;  // rows one pass of the 128 loader threads covers
-  const int st = tid - 128;
-  const int qcol = (st % QV) * 4, qrow = st / QV;
-  const int vcol = (st % VV) * 4, vrow = st / VV;
-  const int qbytes = max(0, min(16, (Dk - qcol) * 4));
-  const int vbytes = max(0, min(16, (dv_here - vcol) * 4));
-  const float* q_first = qb + (rtk_i64)qrow * q_sn + (qbytes ? qcol : 0);
-  const float* k_first = kb + (rtk_i64)qrow * k_sn + (qbytes ? qcol : 0);
-  const float* v_first = vb + (rtk_i64)vrow * v_sn + (vbytes ? vcol : 0);
+  typedef rtk_chunk_loader<float, KMAX, BV> LD;
+  const LD ld(tid - 128, Dk, dv_here, qb, kb, vb, q_sn, k_sn, v_sn);
+  constexpr int VROWS = LD::VROWS;
+  const int st = ld.st, vcol = ld.vcol, vrow = ld.vrow;
   // Returns (without VEC) whether a value of v this thread stored is Inf or NaN; with VEC false
   // (the pieces are checked after the copy completed).
   auto load_chunk = [&](int chunk, int stage) -> bool {
@@ -715,33 +780,8 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
     float* sV = sm + stage * L::STAGE + L::V;
     const int n0 = chunk * C;
     if (VEC) {
-      const rtk_u32 dq = rtk_smem_addr(sQ + qrow * KS + qcol), dk = rtk_smem_addr(sK + qrow * KS + qcol);
-      const rtk_u32 dv = rtk_smem_addr(sV + vrow * VS + vcol);
-      const char* qp = reinterpret_cast<const char*>(q_first + (rtk_i64)n0 * q_sn);
-      const char* kp = reinterpret_cast<const char*>(k_first + (rtk_i64)n0 * k_sn);
-      const char* vp = reinterpret_cast<const char*>(v_first + (rtk_i64)n0 * v_sn);
-      const rtk_i64 qstep = 4 * QROWS * q_sn, kstep = 4 * QROWS * k_sn, vstep = 4 * VROWS * v_sn;
-      if (n0 + C <= NS) {  // a whole chunk: no row checks
-        #pragma unroll
-        for (int u = 0; u < C / QROWS; ++u, qp += qstep, kp += kstep) {
-          rtk_cp_async16(dq + 4 * u * QROWS * KS, qp, qbytes);
-          rtk_cp_async16(dk + 4 * u * QROWS * KS, kp, qbytes);
-        }
-        #pragma unroll
-        for (int u = 0; u < C / VROWS; ++u, vp += vstep) rtk_cp_async16(dv + 4 * u * VROWS * VS, vp, vbytes);
-      } else {
-        #pragma unroll
-        for (int u = 0; u < C / QROWS; ++u, qp += qstep, kp += kstep) {
-          const bool in = n0 + qrow + u * QROWS < NS;
-          rtk_cp_async16(dq + 4 * u * QROWS * KS, in ? (const void*)qp : (const void*)qb, in ? qbytes : 0);
-          rtk_cp_async16(dk + 4 * u * QROWS * KS, in ? (const void*)kp : (const void*)kb, in ? qbytes : 0);
-        }
-        #pragma unroll
-        for (int u = 0; u < C / VROWS; ++u, vp += vstep) {
-          const bool in = n0 + vrow + u * VROWS < NS;
-          rtk_cp_async16(dv + 4 * u * VROWS * VS, in ? (const void*)vp : (const void*)vb, in ? vbytes : 0);
-        }
-      }
+      ld.template copy<C, KS, VS>(rtk_smem_addr(sQ + ld.qrow * KS + ld.qcol), rtk_smem_addr(sK + ld.qrow * KS + ld.qcol),
+                                  rtk_smem_addr(sV + vrow * VS + vcol), n0, NS, !states_only);
       return false;
     } else {
       #pragma unroll 4
@@ -749,7 +789,7 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
         const int r = e / KMAX, col = e - r * KMAX;
         const rtk_i64 n = (rtk_i64)n0 + r;
         const bool ok = n < NS && col < Dk;
-        sQ[r * KS + col] = ok ? qb[n * q_sn + col] : 0.f;
+        if (!states_only) sQ[r * KS + col] = ok ? qb[n * q_sn + col] : 0.f;
         sK[r * KS + col] = ok ? kb[n * k_sn + col] : 0.f;
       }
       bool bad = false;
@@ -805,22 +845,7 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
   if (out_warp) {
     // ---- output warps: rows r0 .. r0+15 of each chunk ------------------------------------------
     const int w = warp, r0 = 16 * warp;
-    // Decay factors, as in rtk_chunk_fwd: gamma^(8 - 2 t4 - e) for the thread's two key columns
-    // of an 8-wide tile, gamma^8 to step one tile left, gamma^(t - r0) * scale for its rows
-    // t = r0 + g (+ 8), gamma^(r0 + 1), and gamma^(t - s) * scale in the 16 x 16 diagonal block
-    // (-1 where s > t: the mask is a select).
-    const float col_f0 = rtk_exp2(lg2 * (float)(8 - 2 * t4)), col_f1 = rtk_exp2(lg2 * (float)(7 - 2 * t4));
-    const float g8 = rtk_exp2(lg2 * 8.f);
-    const float row_lo = rtk_exp2(lg2 * (float)g) * scale, row_hi = rtk_exp2(lg2 * (float)(g + 8)) * scale;
-    const float inter0 = rtk_exp2(lg2 * (float)(r0 + 1));
-    float diag[2][4];
-    #pragma unroll
-    for (int jd = 0; jd < 2; ++jd)
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int dt = g + (e >> 1) * 8 - (jd * 8 + 2 * t4 + (e & 1));
-        diag[jd][e] = dt >= 0 ? rtk_exp2(lg2 * (float)dt) * scale : -1.f;
-      }
+    const rtk_chunk_decay dec(lg2, scale, g, t4, r0);  // as in rtk_chunk_fwd
     __syncthreads();  // (matches the state warps' start barrier: the first state copy)
 
     for (int chunk = 0; chunk < nchunks; ++chunk) {
@@ -837,14 +862,8 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
       }
       float o_acc[NT][4];
       float p[8][4];  // scores of the 16 rows against key tiles 0 .. 2w+1 (8 keys each)
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) o_acc[nt][e] = 0.f;
-      #pragma unroll
-      for (int j = 0; j < 8; ++j)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
+      rtk_zero(o_acc);
+      rtk_zero(p);
 
       // q_t S and q_t . k_s over 8-wide k-steps d0 = 8 kq, sharing the q fragments.
       #pragma unroll 1
@@ -880,23 +899,12 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
         }
       }
 
-      // gamma^(r0+1) q_t S; the keys left of the diagonal block get gamma^(r0-s): key tile j lies
-      // 8(2w-1-j) + (8 - 2 t4 - e) to the left of r0
+      // gamma^(r0+1) q_t S; the keys left of the diagonal block get gamma^(r0-s)
       #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
         #pragma unroll
-        for (int e = 0; e < 4; ++e) o_acc[nt][e] *= inter0;
-      {
-        float step = 1.f;
-        #pragma unroll
-        for (int j = 7; j >= 0; --j) {
-          if (j < 2 * w) {
-            const float f0 = col_f0 * step, f1 = col_f1 * step;
-            p[j][0] *= f0; p[j][1] *= f1; p[j][2] *= f0; p[j][3] *= f1;
-            step *= g8;
-          }
-        }
-      }
+        for (int e = 0; e < 4; ++e) o_acc[nt][e] *= dec.inter0;
+      dec.scale_left(p, w);
       bool saw_bad = false;
       // o_acc += P[:, 8 kk ..] V[8 kk .., :] (kk a compile-time value). The score accumulator's
       // columns are 2 t4 (+1), the A operand's t4 (+4): since the k index is summed, A column t4
@@ -927,103 +935,34 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
       #pragma unroll
       for (int kk = 0; kk < 6; ++kk)
         if (kk < 2 * w) pv(kk);
-      // rows: gamma^(t - r0) * scale
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        o_acc[nt][0] *= row_lo; o_acc[nt][1] *= row_lo;
-        o_acc[nt][2] *= row_hi; o_acc[nt][3] *= row_hi;
-      }
-      // the diagonal block (key tiles 2w, 2w+1): gamma^(t-s) * scale for s <= t, a select (not a
-      // product) above it; tiles picked with compile-time indices so p stays in registers
+      dec.scale_rows(o_acc);
+      // the diagonal block (key tiles 2w, 2w+1); tiles picked with compile-time indices so p
+      // stays in registers
       #pragma unroll
       for (int kw = 0; kw < 4; ++kw) {
         if (kw == w) {
           #pragma unroll
           for (int jd = 0; jd < 2; ++jd) {
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              float& x = p[2 * kw + jd][e];
-              x = diag[jd][e] >= 0.f ? x * diag[jd][e] : 0.f;
-            }
+            dec.mask_diag(p[2 * kw + jd], jd);
             pv(2 * kw + jd);
           }
         }
       }
 
-      if (v_bad && __any_sync(0xffffffffu, saw_bad)) {
-        // rare: mark the outputs a non-finite v_s reaches (rows t >= s of the same column)
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int t = r0 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
-            bool hit = false;
-            for (int s2 = 0; s2 <= t; ++s2) hit |= rtk_nonfinite(sV[s2 * VS + c]);
-            if (hit) o_acc[nt][e] = __int_as_float(0x7fc00000);
-          }
-      }
-
-      // store this warp's output rows (the scale is already in the row and diagonal factors)
-      #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int t = r0 + g + hh * 8;
-        if (t < len) {
-          float* orow = ob + ((rtk_i64)n0 + t) * o_sn + v0 + 2 * t4;
-          if (ovec_full) {  // the usual case: whole tile, 8-byte aligned pairs
-            #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              float2 pair;
-              pair.x = o_acc[nt][2 * hh];
-              pair.y = o_acc[nt][2 * hh + 1];
-              *reinterpret_cast<float2*>(orow + nt * 8) = pair;
-            }
-          } else {
-            #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              const int c = nt * 8 + 2 * t4;
-              if (c < dv_here) orow[nt * 8] = o_acc[nt][2 * hh];
-              if (c + 1 < dv_here) orow[nt * 8 + 1] = o_acc[nt][2 * hh + 1];
-            }
-          }
-        }
-      }
+      if (v_bad && __any_sync(0xffffffffu, saw_bad))
+        rtk_chunk_mark_nonfinite(o_acc, r0, g, t4, [&](int s2, int c) { return rtk_nonfinite(sV[s2 * VS + c]); });
+      rtk_chunk_store_rows<RTK_F32>(ob, o_acc, n0, r0, g, t4, len, o_sn, v0, dv_here, ovec_full);
       __syncthreads();  // (B) done with the state copy and with this stage
     }
   } else {
     // ---- state warps: fp32 state in registers (rows sr0 .. sr0 + KMAX/4 - 1), fp32 copy in smem
     const int sr0 = (warp - 4) * MT * 16;
     float s_acc[MT][NT][4];
-    // Where fragment element (mt, nt, e) of the state lives in a [slots, B*H, Dk, Dv] buffer, and
-    // whether it is a real (row < Dk, column < Dv) element.
-    auto state_elem = [&](int mt, int nt, int e, rtk_i64& off) -> bool {
-      const int r = sr0 + mt * 16 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
-      off = state_slot + ((rtk_i64)bh * Dk + r) * Dv + v0 + c;
-      return r < Dk && c < dv_here;
-    };
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          rtk_i64 off;
-          const bool real = state_elem(mt, nt, e, off);
-          s_acc[mt][nt][e] = (init_state != nullptr && real) ? init_state[off] : 0.f;
-        }
+    const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, state_slot};
+    sf.load(s_acc, init_state);
     // float2 stores at row r, columns c, c+1: bank 8 g + 2 t4 (+1) per half warp, conflict-free
     auto store_state_copy = [&]() {
-      #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int r = sr0 + mt * 16 + g + hh * 8, c = nt * 8 + 2 * t4;
-            float2 pair;
-            pair.x = s_acc[mt][nt][2 * hh];
-            pair.y = s_acc[mt][nt][2 * hh + 1];
-            *reinterpret_cast<float2*>(sS + r * SS + c) = pair;
-          }
+      sf.pairs(s_acc, [&](int r, int c, float lo, float hi) { rtk_store_pair<RTK_F32>(sS + r * SS + c, lo, hi); });
     };
     // gamma^C of a whole chunk in double precision, rounded once
     const float carry_full = (float)exp((double)lgd * (double)C);
@@ -1084,16 +1023,6 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
       __syncthreads();  // (B) the output warps are done with the state copy, everyone with this stage
       store_state_copy();
     }
-    if (final_state != nullptr) {
-      #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            rtk_i64 off;
-            if (state_elem(mt, nt, e, off)) final_state[off] = s_acc[mt][nt][e];
-          }
-    }
+    sf.store(s_acc, final_state);
   }
 }

@@ -41,3 +41,16 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Te
     if layout == "bnhd":
         o = o.transpose(1, 2)
     return o.contiguous(), state
+
+
+def nan_reach(shape: tuple, where: str, b: int, h: int, row: int, col: int) -> torch.Tensor:
+    """The outputs (a bool ``[B, H, N, Dv]`` mask) that a NaN put into ``where`` ("q", "k" or "v")
+    at ``[b, h, row, col]`` reaches: q_i -> row i; k_j -> rows >= j; v_j[c] -> rows >= j, column c."""
+    expected = torch.zeros(shape, dtype=torch.bool)
+    if where == "q":
+        expected[b, h, row, :] = True
+    elif where == "k":
+        expected[b, h, row:, :] = True
+    else:
+        expected[b, h, row:, col] = True
+    return expected

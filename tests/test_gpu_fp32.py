@@ -22,7 +22,7 @@ import torch
 import rtkernels
 from rtkernels.methods import METHODS, auto_method, chunk
 
-from reference import reference
+from reference import nan_reach, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -147,13 +147,7 @@ def test_fp32_nan_reaches_only_its_rows(where, d, mode, monkeypatch):
         q, k, v = _inputs(b, h, n, d, d, seed=3)
         {"q": q, "k": k, "v": v}[where][1, 0, row, 5] = float("nan")
         out = rtkernels.causal_linear_attention(q, k, v, 1e-6, method="chunk", fp32_precision=mode).cpu()
-        expected = torch.zeros(out.shape, dtype=torch.bool)
-        if where == "q":
-            expected[1, 0, row, :] = True
-        elif where == "k":
-            expected[1, 0, row:, :] = True
-        else:
-            expected[1, 0, row:, 5] = True
+        expected = nan_reach(out.shape, where, 1, 0, row, 5)
         assert torch.equal(torch.isnan(out), expected), (where, row, segments)
         assert torch.isfinite(out[~expected]).all()
 

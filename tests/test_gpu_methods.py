@@ -8,7 +8,7 @@ import torch
 import rtkernels
 from rtkernels.methods import METHODS
 
-from reference import reference
+from reference import nan_reach, reference
 from tolerances import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -136,13 +136,7 @@ def test_kernel_nan_reaches_only_its_rows(where, method, dtype, row):
     t[1, 0, row, 5] = float("nan")
     out = rtkernels.causal_linear_attention(q, k, v, 1e-6, method=method).cpu()
     nan = torch.isnan(out)
-    expected = torch.zeros_like(nan)
-    if where == "q":
-        expected[1, 0, row, :] = True
-    elif where == "k":
-        expected[1, 0, row:, :] = True
-    else:
-        expected[1, 0, row:, 5] = True
+    expected = nan_reach(out.shape, where, 1, 0, row, 5)
     assert torch.equal(nan, expected)
     assert torch.isfinite(out[~expected]).all()
 
