@@ -30,7 +30,7 @@ from ..autotune import tuned_config
 from ..autotune.space import Limits, Problem, Space
 from ..decay import LogDecay
 from ..runtime import dtype_code, get_function, launch
-from ._launch import fwd_args, operands
+from ._launch import fwd_args, operands, row_address
 from ._torch_common import chunk_end_decays, inter_chunk, intra_chunk, scan_chunks, to_chunks, zero_state
 
 SOURCE = "chunk.cu"
@@ -95,9 +95,11 @@ def smem_bytes(kmax: int, bv: int, wg: bool = False) -> int:
     return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + kmax * (bv + 8)) + 32
 
 
-def _aligned(x: torch.Tensor) -> bool:
+def _aligned(x: torch.Tensor, reverse: bool = False) -> bool:
+    """Whether every row the kernel reads starts on 16 bytes (the cp.async loads): the first row it
+    reads (token N-1 with ``reverse``) and strides that are multiples of 8 elements (either sign)."""
     s = x.stride()
-    return x.data_ptr() % 16 == 0 and s[0] % 8 == 0 and s[1] % 8 == 0 and s[2] % 8 == 0
+    return row_address(x, reverse) % 16 == 0 and s[0] % 8 == 0 and s[1] % 8 == 0 and s[2] % 8 == 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,14 +227,20 @@ def tuned_launch(config: tuple, dtype: torch.dtype, dk: int, dv: int, vec: bool,
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
-                   need_state: bool) -> Optional[torch.Tensor]:
+                   need_state: bool, *, reverse: bool = False) -> Optional[torch.Tensor]:
     """One fused pass, or with few (batch, head, value-tile) CTAs the split-sequence strategy:
     a states-only pass per segment, a scan over the segment states, and the fused pass per segment
-    starting from its state."""
+    starting from its state.
+
+    ``reverse``: the operator on the reversed sequence (token N-1 first), its output written back
+    in reverse order, i.e. ``out = flip(F(flip(q), flip(k), flip(v)))`` along the tokens, with the
+    initial state entering before token N-1 and the final state after token 0. No copy: the kernel
+    gets the pointers of row N-1 and negated token strides (:func:`._launch.fwd_args`); segments
+    and the states scan work in the kernel's (reversed) token order unchanged."""
     b, h, n, dk = q.shape
     dv = v.shape[-1]
     q, k, v, s0, final = operands(q, k, v, initial_state, need_state)
-    vec = _aligned(q) and _aligned(k) and _aligned(v)
+    vec = _aligned(q, reverse) and _aligned(k, reverse) and _aligned(v, reverse)
     dev = q.device.index
     bh = b * h
     tuned = tuned_config("chunk", dev, q.dtype, bh, n, dk, dv)  # None: no store entry
@@ -245,7 +253,7 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     nseg = -(-n // seg_len)
     fn = get_function(SOURCE, name, dev, extra_options=opts, dynamic_smem=smem)
     grid = (bh, tiles, nseg)
-    args = fwd_args(q, k, v, out, log_decay, s0, final, scale)
+    args = fwd_args(q, k, v, out, log_decay, s0, final, scale, reverse)
     if nseg == 1:
         launch(fn, grid, (threads, 1, 1), (*args, seg_len, 0), dev, shared_mem=smem)
         return final
