@@ -42,7 +42,7 @@ def _want_stateless(shape: tuple, dtype: torch.dtype, gamma: float) -> tuple:
     """fp64 reference gradients of sum(W * out) (no initial state, no returned state) with respect
     to q, k, v and the decay, on the inputs of test_gpu_grad's case."""
     (q, k, v, _, decay, w, _), _ = _case(shape, dtype, gamma)
-    leaves = [x.double().requires_grad_(True) for x in (q, k, v, decay)]
+    leaves = [x.detach().to(torch.float64, copy=True).requires_grad_(True) for x in (q, k, v, decay)]
     out, _ = reference(*leaves[:3], leaves[3], 0.8, shape[-1])
     return torch.autograd.grad((out * w.double()).sum(), leaves)
 
@@ -62,7 +62,7 @@ def test_kernel_backward_matches_fp64(case, dtype, stateful, monkeypatch):
         (q, k, v, s0, decay, w, ws), want = _case(shape, dtype, gamma)
         if not stateful:
             want = _want_stateless(shape, dtype, gamma)
-        leaves = [x.clone().requires_grad_(True) for x in (q, k, v, *([s0] if stateful else []), decay.float())]
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, *([s0] if stateful else []), decay.float())]
         qv, vv = (x if layout == "bhnd" else x.transpose(1, 2) for x in (leaves[0], leaves[2]))
         assert backward_impl(qv, vv) is kernel_backward
         res = rtkernels.causal_linear_attention(*leaves[:3], leaves[-1], scale=0.8, method="chunk", layout=layout,
