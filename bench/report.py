@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import os
 import subprocess
 from pathlib import Path
 from typing import Any, Optional
@@ -19,6 +20,8 @@ ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def _git_commit() -> str:
+    if os.environ.get("RTKERNELS_BENCH_COMMIT"):  # a copy of the tree without its git history
+        return os.environ["RTKERNELS_BENCH_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         return subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,

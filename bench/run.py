@@ -225,8 +225,9 @@ def measure(impl: Any, case: Case, inp: dict[str, Any], ref: torch.Tensor, devic
 
 
 def host_overheads(impls: list[Any], device: torch.device) -> dict[str, Any]:
-    """µs per call of 200 back-to-back calls at a tiny shape (1, 1, 64, 64): rtkernels scan (decay as
-    a [H] CPU tensor and as a float) and fla, where loaded."""
+    """µs per call of 200 back-to-back calls at a tiny shape (1, 1, 64, 64): rtkernels chunk and scan
+    (decay as a [H] CPU tensor and as a float; chunk's repeated calls take the cached-call path)
+    and fla, where loaded."""
     import torch
     from rtkernels import causal_linear_attention as cla
 
@@ -236,6 +237,8 @@ def host_overheads(impls: list[Any], device: torch.device) -> dict[str, Any]:
     q, k, v = (torch.randn(1, 1, 64, 64, device=device, dtype=dtype) for _ in range(3))
     g = torch.tensor([0.97])
     res: dict[str, Any] = {"shape": "1x1x64x64 " + str(dtype).replace("torch.", "")}
+    res["rtkernels chunk, decay [H] CPU tensor"] = timing.host_overhead(lambda: cla(q, k, v, g, method="chunk"), device)
+    res["rtkernels chunk, decay float"] = timing.host_overhead(lambda: cla(q, k, v, 0.97, method="chunk"), device)
     res["rtkernels scan, decay [H] CPU tensor"] = timing.host_overhead(lambda: cla(q, k, v, g, method="scan"), device)
     res["rtkernels scan, decay float"] = timing.host_overhead(lambda: cla(q, k, v, 0.97, method="scan"), device)
     fla = next((impl for impl in impls if impl.name == "fla"), None)
