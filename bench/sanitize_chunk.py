@@ -23,7 +23,7 @@ for chunk.force_wgmma, chunk.force_bv in variants:
         for dt in dtypes:
             o, s = rtkernels.causal_linear_attention(q.to(dt), k.to(dt), v.to(dt), 0.99, method="chunk",
                                                      initial_state=s0, return_state=True)
-            leaves = [x.to(dt).requires_grad_() for x in (q, k, v)] + [s0.clone().requires_grad_()]
+            leaves = [x.detach().to(dt, copy=True).requires_grad_() for x in (q, k, v)] + [s0.clone().requires_grad_()]
             ob, sb = rtkernels.causal_linear_attention(*leaves[:3], 0.99, method="chunk", initial_state=leaves[3],
                                                        return_state=True)
             (ob.float().sum() + sb.sum()).backward()
