@@ -127,16 +127,10 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
   const rtk_u16* q_first = qb + (rtk_i64)qrow * q_sn + (qbytes ? qcol : 0);
   const rtk_u16* k_first = kb + (rtk_i64)qrow * k_sn + (qbytes ? qcol : 0);
   const rtk_u16* v_first = vb + (rtk_i64)vrow * v_sn + (vbytes ? vcol : 0);
-  // The k and v tiles of chunk slot j. Slots 0 and 1 are the two stages. A states-only pass (no
-  // q, no state copy) also uses slot 2 -- k in stage 0's q region, v in the state-copy region --
-  // so that two chunks are in flight while one is computed: that pass has too little work per
-  // chunk to hide one load's latency behind it.
-  auto slot_k = [&](int j) { return j < 2 ? sm + j * L::STAGE + L::K : sm + L::Q; };
-  auto slot_v = [&](int j) { return j < 2 ? sm + j * L::STAGE + L::V : sm + L::S; };
-  auto load_chunk = [&](int chunk, int slot) {
-    rtk_u16* sQ = sm + slot * L::STAGE + L::Q;  // slot < 2 whenever q is loaded
-    rtk_u16* sK = slot_k(slot);
-    rtk_u16* sV = slot_v(slot);
+  auto load_chunk = [&](int chunk, int stage) {
+    rtk_u16* sQ = sm + stage * L::STAGE + L::Q;
+    rtk_u16* sK = sm + stage * L::STAGE + L::K;
+    rtk_u16* sV = sm + stage * L::STAGE + L::V;
     const int n0 = chunk * C;
     if (VEC) {
       const rtk_u32 dq = rtk_smem_addr(sQ + L::qk_off(qrow, qcol >> 3)), dk = rtk_smem_addr(sK + L::qk_off(qrow, qcol >> 3));
@@ -187,10 +181,6 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
   if (!out_warp) {
     load_chunk(0, 0);
     rtk_cp_async_commit();
-    if (states_only) {  // prefetch distance 2: chunk 1 too (an empty group when there is none)
-      if (nchunks > 1) load_chunk(1, 1);
-      rtk_cp_async_commit();
-    }
   }
   if (!VEC) __syncthreads();  // chunk 0 was stored by other threads; the v check below reads it
 
@@ -202,13 +192,6 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
     bool my_bad = false;
     if (!out_warp) {
       const int stage = chunk & 1;
-      if (states_only) {  // slots 0, 1, 2 in turn; nothing reads v here (no outputs)
-        if (chunk + 2 < nchunks) load_chunk(chunk + 2, (chunk + 2) % 3);
-        rtk_cp_async_commit();
-        rtk_cp_async_wait<2>();
-        if (WG) rtk_fence_proxy_async();
-        return __syncthreads_or(0) != 0;  // (A)
-      }
 #ifndef RTK_PROBE_NO_LOAD
       if (chunk + 1 < nchunks) load_chunk(chunk + 1, stage ^ 1);
 #endif
@@ -541,14 +524,14 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
     };
     publish_max(1);
     __syncthreads();  // (matches the output warps' start barrier)
-    if (!states_only) store_state_copy(1);  // (a states-only pass keeps chunk slot 2 there)
+    store_state_copy(1);
     for (int chunk = 0; chunk < nchunks; ++chunk) {
       begin_chunk(chunk);
-      const int slot = states_only ? chunk % 3 : chunk & 1;
+      const int stage = chunk & 1;
       const int n0 = chunk * C;
       const int len = min(C, NS - n0);
-      const rtk_u32 sK_addr = rtk_smem_addr(slot_k(slot));
-      const rtk_u32 sV_addr = rtk_smem_addr(slot_v(slot));
+      const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
+      const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
       // ---- state warps: S = gamma^len S + (K * w)^T V, w_s = gamma^(len-1-s) ----------------
 #ifdef RTK_PROBE_NO_STATE
       if (chunk >= 0) { publish_max(chunk & 1); __syncthreads(); store_state_copy(chunk & 1); continue; }
@@ -591,7 +574,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
       }
       publish_max(chunk & 1);
       __syncthreads();  // (B) the output warps are done with the state copy, everyone with this stage
-      if (!states_only) store_state_copy(chunk & 1);
+      store_state_copy(chunk & 1);
     }
     if (final_state != nullptr) {
       #pragma unroll
