@@ -32,6 +32,7 @@ class Impl:
     decode: Optional[Callable[[Tensor, Tensor, Tensor, Any, Tensor], Tensor]] = None  # -> o
     decode_method: str = ""
     path: Optional[Callable[[Tensor, Tensor], str]] = None  # "kernel" / "torch" for rtkernels
+    backward_path: Optional[Callable[[Tensor, Tensor], str]] = None  # rtkernels: the backward that runs
 
 
 def dist_version(*names: str) -> Optional[str]:
@@ -51,6 +52,7 @@ def _err(exc: BaseException) -> str:
 def rtkernels_impl(method: str) -> Impl:
     """``rtkernels.causal_linear_attention`` with one method; decay as a [H] float32 CPU tensor."""
     from rtkernels import METHODS, causal_linear_attention as cla
+    from rtkernels.autograd import backward_impl
     from rtkernels.methods import auto_method
 
     def path(q: Tensor, v: Tensor) -> str:
@@ -62,7 +64,8 @@ def rtkernels_impl(method: str) -> Impl:
 
     return Impl("rtkernels", method, "bhnd", lambda gamma, dev: gamma.float(),
                 lambda q, k, v, g: cla(q, k, v, g, method=method),
-                decode if method == "scan" else None, method, path)
+                decode if method == "scan" else None, method, path,
+                lambda q, v: backward_impl(q, v).__name__)
 
 
 def load_fla(device: torch.device) -> tuple[Optional[Impl], dict[str, Any]]:

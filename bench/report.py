@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import platform
+import os
 import subprocess
 from pathlib import Path
 from typing import Any, Optional
@@ -19,6 +20,8 @@ ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def _git_commit() -> str:
+    if os.environ.get("RTKERNELS_BENCH_COMMIT"):  # a copy of the tree without its git history
+        return os.environ["RTKERNELS_BENCH_COMMIT"]
     root = Path(__file__).resolve().parent.parent
     try:
         return subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
@@ -57,8 +60,9 @@ def environment(device: torch.device, quick: bool) -> dict[str, Any]:
 
 
 def roofline_pct(row: Row, env: dict[str, Any]) -> Optional[float]:
-    """BENCHMARK.md's limit: % of the roofline time for a forward, % of copy bandwidth for decode."""
-    if not row.get("ms"):
+    """BENCHMARK.md's limit: % of the roofline time for a forward, % of copy bandwidth for decode
+    (None for forward + backward, which the protocol gives no limit for)."""
+    if not row.get("ms") or row["pass"] == "fwdbwd":
         return None
     secs, bw = row["ms"] / 1e3, env["copy_bw_GBps"] * 1e9
     b, h, n, d = row["B"], row["H"], row["N"], row["D"]
@@ -95,10 +99,18 @@ def _overhead_text(ho: dict[str, Any]) -> str:
     return "Host overhead, µs per call of 200 back-to-back calls: " + "; ".join(extra + parts) + "."
 
 
+#: What the Markdown adds for ``--pass fwdbwd`` rows.
+BWD_NOTE = (" Forward + backward: one call is the forward and out.backward(grad) (q, k, v require grad, the "
+            "decay is fixed); its time and peak memory are the whole's, the inputs counted with grad; no "
+            "roofline; rel err of the output; grad rel err: the largest of dq, dk, dv's vs fp64 gradients.")
+
+
 def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> str:
-    """The table of every measured or failed row; skipped rows and failures listed below it."""
+    """The table of every measured or failed row; skipped rows and failures listed below it. Rows of
+    ``--pass fwdbwd`` get a title saying so and a column of gradient errors."""
     gpu = env["gpu"]["name"]
-    out = [f"## rtkernels bench on {gpu}", "",
+    bwd = any(r["pass"] == "fwdbwd" for r in rows)
+    out = [f"## rtkernels bench{' (forward + backward)' if bwd else ''} on {gpu}", "",
            f"copy BW {env['copy_bw_GBps']:.4g} GB/s ({env['copy_bw_how']}); tensor peak "
            f"{env['tensor_peak_TFLOPs']:.3g} TFLOP/s ({env['tensor_peak_how']}); torch {env['torch']}; "
            f"CuPy {env['cupy']}; NVRTC {env['nvrtc']}; rtkernels {env['rtkernels']}.", "",
@@ -108,9 +120,10 @@ def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> st
            + ".", "", _overhead_text(env.get("host_overhead_us", {})), "",
            "vs fla: fla's time / this time (> 1: faster than fla). % roofline: BENCHMARK.md's "
            "max(bytes/copy BW, flop/tensor peak) / time; decode rows: % of copy bandwidth. "
-           "peak MB: the call's inputs + the most it allocates.", "",
-           "| shape | dtype | impl/method | ms | vs fla | % roofline | rel err | peak MB |",
-           "|---|---|---|---:|---:|---:|---:|---:|"]
+           "peak MB: the call's inputs + the most it allocates." + (BWD_NOTE if bwd else ""), "",
+           "| shape | dtype | impl/method | ms | vs fla | % roofline | rel err | peak MB |"
+           + (" grad rel err |" if bwd else ""),
+           "|---|---|---|---:|---:|---:|---:|---:|" + ("---:|" if bwd else "")]
     notes: list[str] = []
     skipped: dict[str, list[str]] = {}
     for r in rows:
@@ -122,7 +135,7 @@ def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> st
         ms = _fmt(r.get("ms"), ".3f") if not r.get("error") else "ERROR"
         out.append(f"| {r['shape']} | {r['dtype']} | {label(r)} | {ms} | {_fmt(r.get('vs_fla'), '.2f')} | "
                    f"{_fmt(r.get('roofline_pct'), '.1f')} | {_fmt(r.get('rel_err'), '.1e')} | "
-                   f"{_fmt(r.get('peak_mb'), '.0f')} |")
+                   f"{_fmt(r.get('peak_mb'), '.0f')} |" + (f" {_fmt(r.get('grad_rel_err'), '.1e')} |" if bwd else ""))
     refs = sorted({f"{r['shape']}: {r['ref']}" for r in rows if r.get("ref")})
     notes += [f"- skipped ({reason}): {', '.join(where)}" for reason, where in skipped.items()]
     return "\n".join(out + [""] + notes + ["", "rel err: Frobenius norm vs an fp64 reference on batch 0 ("
@@ -130,7 +143,8 @@ def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> st
 
 
 def plot(rows: list[Row], path: Path) -> str:
-    """Time vs N (log-log), one line per implementation: bf16 forward rows of the D = 128 shapes (not d64)."""
+    """Time vs N (log-log), one line per implementation: bf16 forward rows of the D = 128 shapes (not
+    d64); the forward + backward rows instead for a run of ``--pass fwdbwd``."""
     try:
         import matplotlib
 
@@ -138,18 +152,19 @@ def plot(rows: list[Row], path: Path) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "plot skipped: matplotlib is not installed"
+    pass_, what = ("fwdbwd", "forward + backward") if any(r["pass"] == "fwdbwd" for r in rows) else ("fwd", "forward")
     series: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        if r["pass"] == "fwd" and r["dtype"] == "bf16" and r["shape"] != "d64" and r.get("ms"):
+        if r["pass"] == pass_ and r["dtype"] == "bf16" and r["shape"] != "d64" and r.get("ms"):
             series.setdefault(label(r), []).append((r["N"], r["ms"]))
     if not series:
-        return "plot skipped: no bf16 forward rows"
+        return f"plot skipped: no bf16 {what} rows"
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for name, pts in sorted(series.items()):
         xs, ys = zip(*sorted(pts), strict=True)
         ax.plot(xs, ys, marker="o", label=name)
     ax.set(xscale="log", yscale="log", xlabel="N (standard shapes; B and H differ per shape)", ylabel="ms",
-           title="bf16 forward, standard shapes except d64")
+           title=f"bf16 {what}, standard shapes except d64")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -3,6 +3,12 @@
 Every (implementation, method) on the standard shapes, with the peers measured in the same run, then
 JSON + Markdown + PNG under ``--out``. Without CUDA it times on the CPU (``--quick`` for a smoke run).
 A failure becomes a row with its error text; the run goes on and exits 0.
+
+``--pass fwd`` (the default) times the forward call; ``--pass fwdbwd`` times one forward and one
+backward per call: the inputs require grad, ``out.backward(grad)`` with a fixed random ``grad``, the
+decay fixed (fla's ``g_gamma`` too), the gradients set to None before each call. Its rows give the
+time and peak memory of the whole, the output's error and the largest error of dq, dk, dv against
+fp64 gradients; the decode rows (a forward step) are skipped.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ QUICK: dict[str, list[tuple[int, int, int, int]]] = {
     "small": [(1, 2, 64, 16)], "mid": [(2, 2, 128, 16)], "long": [(1, 2, 512, 16)], "d64": [(2, 2, 128, 64)],
     "huge": [(1, 2, 1024, 16)], "huge128k": [(1, 2, 128, 16)], "decode": [(2, 2, 1, 16), (4, 2, 1, 16)]}
 METHODS = ("vanilla", "recursion", "block", "fleet", "scan", "chunk", "auto")
+PASSES = ("fwd", "fwdbwd")
 IMPLS = ("rtkernels", "fla", "leetdecoding", "torch")
 O_N_MEMORY = ("scan", "fleet", "block", "chunk", "auto")  # rtkernels methods run on "huge*"
 FLUSH_BYTES = 256 << 20
@@ -68,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     parser.add_argument("--no-jit", action="store_true",
                         help="skip the JIT figures (cold compile per kernel, first call with a warm disk cache)")
+    parser.add_argument("--pass", dest="pass_", choices=PASSES, default="fwd",
+                        help="what a call times: the forward (fwd, default) or forward + backward with "
+                             "out.backward(grad) (fwdbwd; decode shapes are skipped)")
     return parser
 
 
@@ -85,9 +95,11 @@ def make_cases(shapes: Sequence[str], dtypes: Sequence[str], quick: bool) -> lis
     return cases
 
 
-def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int) -> dict[str, Any]:
+def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int,
+                with_grad: bool = False) -> dict[str, Any]:
     """q, k = randn/sqrt(D), v = randn in ``[B, H, N, D]``; γ = 1 − exp(linspace(log(1/32), log(1/512), H))
-    (float64, CPU); for decode also a float32 state S."""
+    (float64, CPU); for decode also a float32 state S; with ``with_grad`` the incoming gradient of
+    the output ``grad`` = randn (else None)."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -101,11 +113,13 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int)
            "state": None}
     if case.decode:
         inp["state"] = torch.randn(case.b, case.h, case.d, case.d, generator=gen, device=device)
+    inp["grad"] = randn(*shape) if with_grad else None
     return inp
 
 
-def reference(inp: dict[str, Any], case: Case) -> tuple[torch.Tensor, str]:
-    """fp64 output of batch 0 ``[H, N, D]`` and how it was made."""
+def reference(inp: dict[str, Any], case: Case) -> tuple[torch.Tensor, str, Optional[torch.Tensor]]:
+    """fp64 output of batch 0 ``[H, N, D]``, how it was made, and when ``inp["grad"]`` is given the
+    fp64 gradients ``[3, H, N, D]`` of batch 0's q, k, v under that incoming gradient (else None)."""
     import torch
     from rtkernels import causal_linear_attention as cla
 
@@ -113,14 +127,23 @@ def reference(inp: dict[str, Any], case: Case) -> tuple[torch.Tensor, str]:
     gamma = inp["gamma"]
     if case.decode:
         s = gamma.to(q.device)[:, None, None] * inp["state"][0].double() + k.double().transpose(-1, -2) @ v.double()
-        return q.double() @ s, "fp64 one-step recurrence"
+        return q.double() @ s, "fp64 one-step recurrence", None
     method = "vanilla" if case.n <= 16384 else "chunk"
     ref = torch.empty(v.shape, dtype=torch.float64, device=v.device)
+    grad = None if inp.get("grad") is None else inp["grad"][0]
+    grads = None if grad is None else torch.empty(3, *v.shape, dtype=torch.float64, device=v.device)
     for h in range(case.h):  # one head at a time bounds the memory (vanilla is N² per head)
-        qh, kh, vh = (t[None, h:h + 1].double() for t in (q, k, v))
-        ref[h] = cla(qh, kh, vh, float(gamma[h]), method=method)[0, 0]
+        qh, kh, vh = (t[None, h:h + 1].double().requires_grad_(grad is not None) for t in (q, k, v))
+        with torch.set_grad_enabled(grad is not None):
+            out = cla(qh, kh, vh, float(gamma[h]), method=method)
+        ref[h] = out.detach()[0, 0]
+        if grads is not None:
+            for i, x in enumerate(torch.autograd.grad(out, (qh, kh, vh), grad[None, h:h + 1].double())):
+                grads[i, h] = x[0, 0]
     note = "rtkernels vanilla fp64" if method == "vanilla" else "rtkernels chunk fp64 (N² vanilla infeasible)"
-    return ref, note
+    if grads is not None:
+        note += ", gradients by its fp64 torch backward"
+    return ref, note, grads
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -132,8 +155,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return math.sqrt(num / den) if den else float("nan")
 
 
-def skip_reason(case: Case, impl: Any) -> Optional[str]:
-    """Why ``impl`` does not run on ``case`` (None: it runs)."""
+def skip_reason(case: Case, impl: Any, pass_: str = "fwd") -> Optional[str]:
+    """Why ``impl`` does not run on ``case`` in ``pass_`` (None: it runs)."""
+    if case.decode and pass_ == "fwdbwd":
+        return "decode is a forward step: --pass fwdbwd times the other shapes"
     if case.decode and impl.decode is None:
         return "no decode step (the decode rows run rtkernels method 'scan' with initial_state)" \
             if impl.name == "rtkernels" else "no decode API (one token from a given state)"
@@ -144,34 +169,65 @@ def skip_reason(case: Case, impl: Any) -> Optional[str]:
     return None
 
 
+def forward_backward(forward: Any, leaves: Sequence[torch.Tensor], g: Any, grad: torch.Tensor) -> Any:
+    """A call of ``--pass fwdbwd``: the gradients of ``leaves`` set to None, ``out = forward(*leaves,
+    g)``, ``out.backward(grad)``; returns the output (detached)."""
+    def fn() -> Any:
+        for t in leaves:
+            t.grad = None
+        out = forward(*leaves, g)
+        if not out.requires_grad:
+            raise RuntimeError("no backward: the output does not require grad")
+        out.backward(grad)
+        return out.detach()
+    return fn
+
+
 def measure(impl: Any, case: Case, inp: dict[str, Any], ref: torch.Tensor, device: torch.device,
-            reps: int, flush: Optional[torch.Tensor], max_call_s: float) -> dict[str, Any]:
-    """Time one implementation on one input; its error vs ``ref`` and its peak memory."""
+            reps: int, flush: Optional[torch.Tensor], max_call_s: float,
+            ref_grads: Optional[torch.Tensor] = None) -> dict[str, Any]:
+    """Time one implementation on one input; its error vs ``ref`` and its peak memory. With
+    ``ref_grads`` (``--pass fwdbwd``) each call is a forward and a backward, and the row also gives
+    ``grad_rel_err``, the largest error of dq, dk, dv (batch 0) vs ``ref_grads``."""
     from . import timing
 
     g = impl.decay(inp["gamma"], device)
-    args = inp["qkv"] if impl.layout == "bhnd" else tuple(t.transpose(1, 2).contiguous() for t in inp["qkv"])
+    layout = (lambda t: t) if impl.layout == "bhnd" else (lambda t: t.transpose(1, 2).contiguous())
+    args = inp["qkv"] if impl.layout == "bhnd" else tuple(layout(t) for t in inp["qkv"])
+    leaves: list[torch.Tensor] = []
     if case.decode:
         def fn() -> Any:
             return impl.decode(*args, g, inp["state"])
+    elif ref_grads is not None:
+        leaves = [t.detach().requires_grad_(True) for t in args]
+        fn = forward_backward(impl.forward, leaves, g, layout(inp["grad"]))
     else:
         def fn() -> Any:
             return impl.forward(*args, g)
     row: dict[str, Any] = {"method": impl.decode_method if case.decode else impl.method}
     if impl.path is not None:
         row["path"] = impl.path(args[0], args[2])
+        if leaves and impl.backward_path is not None:
+            row["path"] += f", bwd: {impl.backward_path(args[0], args[2])}"
     row.update(timing.time_call(fn, device, reps, flush, max_call_s))
+    for t in leaves:  # the last repetition's gradients are not part of the measured call
+        t.grad = None
     out, extra = timing.run_with_peak(fn, device)
-    in_bytes = sum(t.numel() * t.element_size() for t in (*args, *([inp["state"]] if case.decode else [])))
+    in_bytes = sum(t.numel() * t.element_size() for t in (*args, *([inp["state"]] if case.decode else []),
+                                                           *([inp["grad"]] if leaves else [])))
     if extra is not None:
         row["extra_mb"], row["peak_mb"] = extra / 2 ** 20, (extra + in_bytes) / 2 ** 20
     row["rel_err"] = rel_err(out[0] if impl.layout == "bhnd" else out[0].transpose(0, 1), ref)
+    if leaves:
+        row["grad_rel_err"] = max(rel_err(t.grad[0] if impl.layout == "bhnd" else t.grad[0].transpose(0, 1), r)
+                                  for t, r in zip(leaves, ref_grads))
     return row
 
 
 def host_overheads(impls: list[Any], device: torch.device) -> dict[str, Any]:
-    """µs per call of 200 back-to-back calls at a tiny shape (1, 1, 64, 64): rtkernels scan (decay as
-    a [H] CPU tensor and as a float) and fla, where loaded."""
+    """µs per call of 200 back-to-back calls at a tiny shape (1, 1, 64, 64): rtkernels chunk and scan
+    (decay as a [H] CPU tensor and as a float; chunk's repeated calls take the cached-call path)
+    and fla, where loaded."""
     import torch
     from rtkernels import causal_linear_attention as cla
 
@@ -181,6 +237,8 @@ def host_overheads(impls: list[Any], device: torch.device) -> dict[str, Any]:
     q, k, v = (torch.randn(1, 1, 64, 64, device=device, dtype=dtype) for _ in range(3))
     g = torch.tensor([0.97])
     res: dict[str, Any] = {"shape": "1x1x64x64 " + str(dtype).replace("torch.", "")}
+    res["rtkernels chunk, decay [H] CPU tensor"] = timing.host_overhead(lambda: cla(q, k, v, g, method="chunk"), device)
+    res["rtkernels chunk, decay float"] = timing.host_overhead(lambda: cla(q, k, v, 0.97, method="chunk"), device)
     res["rtkernels scan, decay [H] CPU tensor"] = timing.host_overhead(lambda: cla(q, k, v, g, method="scan"), device)
     res["rtkernels scan, decay float"] = timing.host_overhead(lambda: cla(q, k, v, 0.97, method="scan"), device)
     fla = next((impl for impl in impls if impl.name == "fla"), None)
@@ -229,12 +287,13 @@ def run_case(case: Case, dt: str, impls: list[Any], device: torch.device, args: 
 
     from . import report, timing
 
+    bwd = args.pass_ == "fwdbwd" and not case.decode
     base = {"shape": case.label, "B": case.b, "H": case.h, "N": case.n, "D": case.d, "dtype": dt,
-            "pass": "decode" if case.decode else "fwd"}
+            "pass": "decode" if case.decode else args.pass_}
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
     try:
-        inp = make_inputs(case, dtype, device, args.seed)
-        ref, note = reference(inp, case)
+        inp = make_inputs(case, dtype, device, args.seed, bwd)
+        ref, note, ref_grads = reference(inp, case)
     except Exception as exc:
         _free(device)
         return [{**base, "impl": "inputs/reference", "error": _err(exc)}]
@@ -244,17 +303,18 @@ def run_case(case: Case, dt: str, impls: list[Any], device: torch.device, args: 
     for impl in impls:
         row = {**base, "impl": impl.name, "method": impl.decode_method if case.decode else impl.method,
                "ref": note, "l2_flush": flush is not None}
-        reason = skip_reason(case, impl)
+        reason = skip_reason(case, impl, args.pass_)
         try:
             row.update({"skipped": reason} if reason else
-                       measure(impl, case, inp, ref, device, reps, flush, args.max_call_s))
+                       measure(impl, case, inp, ref, device, reps, flush, args.max_call_s, ref_grads))
         except Exception as exc:
             row["error"] = _err(exc)
         rows.append(row)
-        status = "skipped" if reason else row.get("error") or f"{row['ms']:.3f} ms, rel err {row['rel_err']:.1e}"
+        status = "skipped" if reason else row.get("error") or f"{row['ms']:.3f} ms, rel err {row['rel_err']:.1e}" + (
+            f", grad rel err {row['grad_rel_err']:.1e}" if "grad_rel_err" in row else "")
         print(f"  [{case.label} {dt}] {report.label(row)}: {status}", flush=True)
         _free(device)
-    del inp, ref
+    del inp, ref, ref_grads
     _free(device)
     return rows
 

@@ -1,5 +1,6 @@
 """Runs the chunk kernels (one fused pass and the split-sequence strategy; the mma.sync kernel and,
-on compute capability 9.0, the wgmma kernel at both value-tile widths) on one shape, for
+on compute capability 9.0, the wgmma kernel at both value-tile widths) on one shape, forward and
+forward + backward (the kernel backward: one forward pass, two reversed passes), for
 compute-sanitizer: python bench/sanitize_chunk.py B H N DK DV [dtype ...]."""
 import sys
 
@@ -22,5 +23,10 @@ for chunk.force_wgmma, chunk.force_bv in variants:
         for dt in dtypes:
             o, s = rtkernels.causal_linear_attention(q.to(dt), k.to(dt), v.to(dt), 0.99, method="chunk",
                                                      initial_state=s0, return_state=True)
+            leaves = [x.detach().to(dt, copy=True).requires_grad_() for x in (q, k, v)] + [s0.clone().requires_grad_()]
+            ob, sb = rtkernels.causal_linear_attention(*leaves[:3], 0.99, method="chunk", initial_state=leaves[3],
+                                                       return_state=True)
+            (ob.float().sum() + sb.sum()).backward()
+            assert all(torch.isfinite(x.grad).all() for x in leaves)
 torch.cuda.synchronize()
 print("ran", b, h, n, dk, dv, "variants", len(variants), "finite:", bool(torch.isfinite(o).all()))

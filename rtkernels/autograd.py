@@ -2,8 +2,17 @@ r"""Gradients for every method: one ``torch.autograd.Function`` and an explicit 
 
 The forward runs whichever method was asked for (its CUDA kernel or its torch path) through
 :func:`rtkernels.methods.run_method`, with no autograd graph and the call's ``fp32_precision``
-(carried in ``_Call``), and keeps q, k, v, the initial state and the per-head log-decay. The backward computes the exact gradient with its own chunked
-algorithm below, recomputing the forward states chunk by chunk: it is the same for every method.
+(carried in ``_Call``), and keeps q, k, v, the initial state and the per-head log-decay. The
+backward does not depend on the method; :func:`backward_impl` picks it per call from
+:data:`BACKWARD_IMPLS` by the inputs:
+
+- inputs the ``chunk`` CUDA kernel takes (CUDA, fp16/bf16, Dk and Dv <= 256):
+  :func:`rtkernels.kernel_backward.kernel_backward`, three passes of the forward kernel (two of
+  them on the reversed sequence) plus the final-state terms, and for a trainable decay the
+  dlog(gamma) of this module (:func:`log_decay_grad`);
+- everything else (the CPU, fp32 -- whose forward may run the fp32 chunk kernel --, fp64, larger
+  heads): :func:`torch_backward`, the chunked algorithm below in torch operations, recomputing
+  the forward states chunk by chunk.
 
 Math (per batch and head; Dk x Dv states; ``do_i = scale * dL/do_i``; ``G = dL/dS_N`` the incoming
 gradient of the returned final state, zero when it is not returned or not used)::
@@ -47,11 +56,11 @@ gradient of the size of gamma, accurate to the last bits, and gamma = 1 is an or
 :func:`track_decay` (log(gamma) is clamped at ``LOG_DECAY_MIN`` as in the forward, so a rate
 beyond 1e4 gets a zero gradient, the gradient of the clamped operator).
 
-Work O(N C (Dk + Dv) + N Dk Dv), like the forward. Memory: the saved q, k, v (input dtype) and
-initial state; inside the backward O(N (Dk + Dv + C)) for the chunked tensors and their
-gradients plus O((N / C) Dk Dv) for the states entering each chunk (forward and reverse); no
-per-token state is ever stored. Everything is accumulated in float32 (float64 for float64
-inputs); the gradients come back in the dtypes of their inputs.
+:func:`torch_backward`: work O(N C (Dk + Dv) + N Dk Dv), like the forward. Memory: the saved q,
+k, v (input dtype) and initial state; inside the backward O(N (Dk + Dv + C)) for the chunked
+tensors and their gradients plus O((N / C) Dk Dv) for the states entering each chunk (forward and
+reverse); no per-token state is ever stored. Everything is accumulated in float32 (float64 for
+float64 inputs); the gradients come back in the dtypes of their inputs.
 
 NaN: a NaN in q, k or v gives NaN in exactly the gradient entries whose sum reaches it (under a
 finite incoming gradient): q_i[c] -> dk rows <= i column c, dv rows <= i, dS_0 row c;
@@ -59,9 +68,8 @@ k_j[c] -> dq rows >= j column c, dv row j; v_j[c] -> dq rows >= j, dk row j; and
 gradient. Everything else stays finite (the dense products keep non-finite rows out, as in the
 forward: :func:`~rtkernels.methods._torch_common.causal_apply`).
 
-The backward implementation is chosen per call by :func:`backward_impl` from
-:data:`BACKWARD_IMPLS`: the place where a CUDA backward kernel plugs in without touching the
-Function.
+Both implementations follow these NaN rules (the kernel backward through the forward kernel's
+own NaN handling in each of its passes).
 """
 
 from __future__ import annotations
@@ -79,17 +87,19 @@ from .methods._torch_common import (causal_apply, causal_mask, chunk_end_decays,
 from .runtime.dtypes import compute_dtype
 
 __all__ = ["Grads", "BackwardImpl", "BACKWARD_IMPLS", "backward_impl", "torch_backward", "track_decay",
-           "needs_grad", "attention_with_grad", "CausalLinearAttentionFunction", "CHUNK"]
+           "needs_grad", "attention_with_grad", "CausalLinearAttentionFunction", "CHUNK", "log_decay_grad",
+           "DECAY_GRAD_BYTES"]
 
 #: Tokens per chunk of the torch backward.
 CHUNK = 64
 
 
 class Grads(NamedTuple):
-    """What a backward implementation returns, in the compute dtype (float64 for float64 inputs,
-    float32 otherwise): ``[B, H, N, D]`` gradients of q, k, v, the ``[B, H, Dk, Dv]`` gradient of
-    the initial state (None when not asked for) and the ``[H]`` gradient of log(gamma) (None when
-    not asked for)."""
+    """What a backward implementation returns: ``[B, H, N, D]`` gradients of q, k, v (in the compute
+    dtype, float64 for float64 inputs and float32 otherwise, or already in the input dtype, as the
+    16-bit outputs of the kernel backward), the ``[B, H, Dk, Dv]`` gradient of the initial state
+    (None when not asked for) and the ``[H]`` gradient of log(gamma) (None when not asked for),
+    both in the compute dtype. The Function casts each to its input's dtype."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -105,14 +115,40 @@ BackwardImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LogDecay, flo
                          torch.Tensor, Optional[torch.Tensor], bool, bool], Grads]
 
 
-def torch_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
-                   initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
-                   grad_state: Optional[torch.Tensor], need_state_grad: bool, need_decay_grad: bool) -> Grads:
-    """The chunked backward of the module docstring in torch operations (any device and dtype)."""
-    cdt = compute_dtype(q.dtype)
+class _Chunked(NamedTuple):
+    """The chunked tensors both backward computations share (compute dtype, chunks of CHUNK rows):
+    ``[B, H, nc, C, D]`` q, k, v and do = scale * grad_out; the decays of
+    :func:`~rtkernels.methods._torch_common.chunk_end_decays`; ``s_in`` the forward states entering
+    each chunk and ``d_in`` the adjoints arriving from its right (``[B, H, nc, Dk, Dv]``); ``d_initial``
+    = dL/dS_0 = D_{-1}; the products ``scores`` = A, ``dp`` = dO V^T, the inter terms
+    ``dq_inter`` = gamma^(t+1) dO S^T and ``dv_inter`` = gamma^(L-1-t) K D."""
+
+    qc: torch.Tensor
+    kc: torch.Tensor
+    vc: torch.Tensor
+    doc: torch.Tensor
+    to_end: torch.Tensor
+    carry: torch.Tensor
+    exponent: torch.Tensor
+    s_in: torch.Tensor
+    d_in: torch.Tensor
+    d_initial: torch.Tensor
+    scores: torch.Tensor
+    dp: torch.Tensor
+    dq_inter: torch.Tensor
+    dv_inter: torch.Tensor
+
+
+def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lg: torch.Tensor, scale: float,
+             initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
+             grad_state: Optional[torch.Tensor]) -> _Chunked:
+    """Chunk the inputs, recompute the states S entering each chunk, scan the adjoints D back from
+    the right, and form the products the gradients and dlog(gamma) share (module docstring).
+    ``lg``: ``[H]`` log(gamma) in the compute dtype. Work O(N C (Dk + Dv) + N Dk Dv); memory
+    O(N (Dk + Dv + C) + (N / C) Dk Dv) in the compute dtype."""
+    cdt = lg.dtype
     b, h, n, dk = q.shape
     dv = v.shape[-1]
-    lg = log_decay.tensor(cdt)
     qc, kc, vc = (to_chunks(x.to(cdt), CHUNK) for x in (q, k, v))      # [B, H, nc, C, D]
     doc = to_chunks(grad_out.to(cdt) * scale, CHUNK)
     to_end, carry, exponent = chunk_end_decays(lg, n, CHUNK)
@@ -125,36 +161,90 @@ def torch_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     s_in, _ = scan_chunks(state_or_zero(initial_state), own, carry)
     back = (qc * decay_powers(lg, CHUNK, start=1, ndim=5)).transpose(-1, -2) @ doc  # sum_s gamma^(s+1) q_s^T do_s
     d_in, d_initial = scan_chunks(state_or_zero(grad_state), back, carry, reverse=True)
-
     scores = causal_mask(qc @ kc.transpose(-1, -2), lg)                # A
     dp = doc @ vc.transpose(-1, -2)                                    # dO V^T
-    dscores = causal_mask(dp, lg)                                      # dA
     dq_inter = inter_chunk(doc, s_in.transpose(-1, -2), lg)
     dv_inter = to_end * (kc @ d_in)
-    dq = causal_apply(dscores, kc) + dq_inter
-    dk = causal_apply(dscores.transpose(-1, -2), qc, upper=True) + to_end * (vc @ d_in.transpose(-1, -2))
-    dvv = causal_apply(scores.transpose(-1, -2), doc, upper=True) + dv_inter
+    return _Chunked(qc, kc, vc, doc, to_end, carry, exponent, s_in, d_in, d_initial, scores, dp, dq_inter,
+                    dv_inter)
 
-    d_log = None
-    if need_decay_grad:
-        t = torch.arange(CHUNK, device=q.device)
-        dist = (t[:, None] - t[None, :]).clamp(min=0).to(cdt)           # t - s below the diagonal
-        lengths = (exponent[:, 0] + 1).to(cdt)                          # L per chunk
-        per_chunk = ((d_in * s_in).sum((-1, -2)) * (lengths * carry[..., 0, 0])             # L gamma^L <D, S>
-                     + ((vc * dv_inter).sum(-1) * exponent.to(cdt)).sum(-1)                 # (L-1-s) v_s.dV_inter
-                     + ((qc * dq_inter).sum(-1) * (t + 1).to(cdt)).sum(-1)                  # (t+1) q_t.dQ_inter
-                     + (scores * dp * dist).sum((-1, -2)))                                  # (t-s) A ⊙ dO V^T
-        d_log = per_chunk.sum(dim=(0, 2))
+
+def _log_decay_grad(c: _Chunked) -> torch.Tensor:
+    """The ``[H]`` dlog(gamma) of the module docstring from the shared chunked tensors: four sums of
+    products of non-negative powers of gamma with non-negative weights (no cancellation)."""
+    cdt = c.qc.dtype
+    chunk = c.qc.shape[3]
+    t = torch.arange(chunk, device=c.qc.device)
+    dist = (t[:, None] - t[None, :]).clamp(min=0).to(cdt)               # t - s below the diagonal
+    lengths = (c.exponent[:, 0] + 1).to(cdt)                            # L per chunk
+    per_chunk = ((c.d_in * c.s_in).sum((-1, -2)) * (lengths * c.carry[..., 0, 0])             # L gamma^L <D, S>
+                 + ((c.vc * c.dv_inter).sum(-1) * c.exponent.to(cdt)).sum(-1)                 # (L-1-s) v_s.dV_inter
+                 + ((c.qc * c.dq_inter).sum(-1) * (t + 1).to(cdt)).sum(-1)                    # (t+1) q_t.dQ_inter
+                 + (c.scores * c.dp * dist).sum((-1, -2)))                                    # (t-s) A ⊙ dO V^T
+    return per_chunk.sum(dim=(0, 2))
+
+
+#: Temporaries of one pass of :func:`log_decay_grad` (bytes): more (batch, head) pairs are split
+#: into passes over batch and head ranges (at least one pair a pass).
+DECAY_GRAD_BYTES = 1 << 30
+
+
+def log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
+                   initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
+                   grad_state: Optional[torch.Tensor]) -> torch.Tensor:
+    """dL/dlog(gamma) alone, ``[H]`` in the compute dtype, by the chunked four-term formula of the
+    module docstring (the one :func:`torch_backward` uses; arguments as a :data:`BackwardImpl`'s).
+
+    For a backward whose dq, dk, dv come from elsewhere: it never forms dq, dk or dv, and its
+    fp32/fp64 temporaries (O(N (Dk + Dv + C) + (N / C) Dk Dv) per (batch, head)) are bounded by
+    :data:`DECAY_GRAD_BYTES` by running over ranges of batches and heads. Work as the torch backward's.
+    """
+    cdt = compute_dtype(q.dtype)
+    b, h, n, dk = q.shape
+    dv = v.shape[-1]
+    lg = log_decay.tensor(cdt)
+    nc = -(-n // CHUNK)
+    # per (batch, head): about four [N, Dk], [N, Dv] and [N, C] tensors and eight [nc, Dk, Dv] ones
+    per_pair = 4 * (nc * CHUNK * (dk + dv + CHUNK) + 2 * nc * dk * dv) * cdt.itemsize
+    heads = max(1, min(h, DECAY_GRAD_BYTES // per_pair))
+    batches = max(1, DECAY_GRAD_BYTES // (per_pair * h)) if heads == h else 1
+    out = torch.zeros(h, dtype=cdt, device=q.device)
+    for b0 in range(0, b, batches):
+        for h0 in range(0, h, heads):
+            bs, hs = slice(b0, b0 + batches), slice(h0, h0 + heads)
+
+            def part(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+                return None if x is None else x[bs, hs]
+
+            out[hs] += _log_decay_grad(_chunked(part(q), part(k), part(v), lg[hs], scale, part(initial_state),
+                                                part(grad_out), part(grad_state)))
+    return out
+
+
+def torch_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
+                   initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
+                   grad_state: Optional[torch.Tensor], need_state_grad: bool, need_decay_grad: bool) -> Grads:
+    """The chunked backward of the module docstring in torch operations (any device and dtype)."""
+    cdt = compute_dtype(q.dtype)
+    b, h, n, _ = q.shape
+    lg = log_decay.tensor(cdt)
+    c = _chunked(q, k, v, lg, scale, initial_state, grad_out, grad_state)
+    dscores = causal_mask(c.dp, lg)                                    # dA
+    dq = causal_apply(dscores, c.kc) + c.dq_inter
+    dk = causal_apply(dscores.transpose(-1, -2), c.qc, upper=True) + c.to_end * (c.vc @ c.d_in.transpose(-1, -2))
+    dvv = causal_apply(c.scores.transpose(-1, -2), c.doc, upper=True) + c.dv_inter
 
     def unchunk(x: torch.Tensor) -> torch.Tensor:
         return x.reshape(b, h, -1, x.shape[-1])[:, :, :n]
 
-    return Grads(unchunk(dq), unchunk(dk), unchunk(dvv), d_initial if need_state_grad else None, d_log)
+    return Grads(unchunk(dq), unchunk(dk), unchunk(dvv), c.d_initial if need_state_grad else None,
+                 _log_decay_grad(c) if need_decay_grad else None)
 
 
 #: ``(supports(q, v) -> bool, implementation)`` pairs, asked in order; the first that supports the
-#: inputs computes the backward. The torch implementation, last, takes everything. A CUDA backward
-#: kernel (e.g. for fp16/bf16 on CUDA) goes in front of it: ``BACKWARD_IMPLS.insert(0, (supports, fn))``.
+#: inputs computes the backward. The torch implementation, last, takes everything;
+#: :mod:`rtkernels.kernel_backward` puts the chunk-kernel backward in front of it when the package is
+#: imported (``BACKWARD_IMPLS.insert(0, (supports, fn))``).
 BACKWARD_IMPLS: list[tuple[Callable[[torch.Tensor, torch.Tensor], bool], BackwardImpl]] = [
     (lambda q, v: True, torch_backward),
 ]

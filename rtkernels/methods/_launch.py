@@ -4,6 +4,11 @@ The kernels take ``RTK_FWD_PARAMS`` (``cuda_src/rtk_common.cuh``) first: seven p
 H, N, Dk, Dv as 64-bit integers and the scale as a double, then the (batch, head, token) element
 strides of q, k, v and o. Plain Python ints and floats are passed, so building the arguments
 allocates nothing but the tuple.
+
+Reversed token order (``reverse=True``): the kernels address row n of every operand as
+``pointer + n * token_stride`` with signed 64-bit strides, so the tensors read (and the output
+written) from position N-1 down to 0 are the same memory with the pointer of row N-1 and the
+token strides negated. No copy is made; the kernel's row n is the tensor's row N-1-n.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 
 from ..decay import LogDecay
 
-__all__ = ["operands", "unit_stride", "fwd_args", "fwd_tail"]
+__all__ = ["operands", "unit_stride", "fwd_args", "fwd_tail", "row_address"]
 
 
 def operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: Optional[torch.Tensor],
@@ -36,18 +41,28 @@ def unit_stride(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(x if x.stride(-1) == 1 else x.contiguous() for x in xs)
 
 
-def fwd_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float) -> tuple:
-    """The ``RTK_FWD_PARAMS`` arguments after the seven pointers: sizes, scale and strides."""
+def row_address(x: torch.Tensor, reverse: bool = False) -> int:
+    """Address of the row the kernel reads first in a ``[B, H, N, D]`` view: token 0, or token N-1
+    with ``reverse``."""
+    return x.data_ptr() + (x.shape[2] - 1) * x.stride(2) * x.element_size() if reverse else x.data_ptr()
+
+
+def fwd_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float,
+             reverse: bool = False) -> tuple:
+    """The ``RTK_FWD_PARAMS`` arguments after the seven pointers: sizes, scale and strides (token
+    strides negated with ``reverse``)."""
     _, h, n, dk = q.shape
+    sgn = -1 if reverse else 1
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
-    return (h, n, dk, v.shape[3], scale,
-            qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2])
+    return (h, n, dk, v.shape[3], scale, qs[0], qs[1], sgn * qs[2], ks[0], ks[1], sgn * ks[2],
+            vs[0], vs[1], sgn * vs[2], os_[0], os_[1], sgn * os_[2])
 
 
 def fwd_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, log_decay: LogDecay,
-             s0: Optional[torch.Tensor], final: Optional[torch.Tensor], scale: float) -> tuple:
-    """The ``RTK_FWD_PARAMS`` argument tuple."""
-    return (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
-            log_decay.tensor(torch.float32).data_ptr(),
+             s0: Optional[torch.Tensor], final: Optional[torch.Tensor], scale: float,
+             reverse: bool = False) -> tuple:
+    """The ``RTK_FWD_PARAMS`` argument tuple; ``reverse``: q, k, v and the output all in reversed
+    token order (the module docstring): pointers of row N-1, token strides negated."""
+    return (*(row_address(x, reverse) for x in (q, k, v, out)), log_decay.tensor(torch.float32).data_ptr(),
             0 if s0 is None else s0.data_ptr(), 0 if final is None else final.data_ptr(),
-            *fwd_tail(q, k, v, out, scale))
+            *fwd_tail(q, k, v, out, scale, reverse))

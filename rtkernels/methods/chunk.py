@@ -38,7 +38,7 @@ from ..autotune import tuned_config
 from ..autotune.space import Limits, Problem, Space
 from ..decay import LogDecay
 from ..runtime import dtype_code, get_function
-from ._launch import fwd_tail, unit_stride
+from ._launch import fwd_tail, row_address, unit_stride
 from ._torch_common import chunk_end_decays, inter_chunk, intra_chunk, scan_chunks, to_chunks, zero_state
 
 SOURCE = "chunk.cu"
@@ -201,11 +201,12 @@ def _smem_limit(dev: int) -> int:
     return int(limit)
 
 
-def _aligned(x: torch.Tensor) -> bool:
-    """16-byte aligned base and rows (the kernels' cp.async path)."""
+def _aligned(x: torch.Tensor, reverse: bool = False) -> bool:
+    """Whether every row the kernel reads starts on 16 bytes (the cp.async loads): the first row it
+    reads (token N-1 with ``reverse``) and strides that are multiples of 16 bytes (either sign)."""
     s = x.stride()
     per16 = 16 // x.element_size()
-    return x.data_ptr() % 16 == 0 and s[0] % per16 == 0 and s[1] % per16 == 0 and s[2] % per16 == 0
+    return row_address(x, reverse) % 16 == 0 and s[0] % per16 == 0 and s[1] % per16 == 0 and s[2] % per16 == 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -381,13 +382,16 @@ class ChunkLaunch:
     call.
     """
 
-    __slots__ = ("fused", "states", "scan", "device", "lg", "lg_ptr", "nseg", "state_shape", "need_state")
+    __slots__ = ("fused", "states", "scan", "device", "lg", "lg_ptr", "nseg", "state_shape", "need_state",
+                 "offsets")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
-                 out: torch.Tensor, need_state: bool, fp32_precision: str = "exact"):
+                 out: torch.Tensor, need_state: bool, reverse: bool = False, fp32_precision: str = "exact"):
         b, h, n, dk = q.shape
         dv = v.shape[-1]
-        vec = _aligned(q) and _aligned(k) and _aligned(v)
+        vec = _aligned(q, reverse) and _aligned(k, reverse) and _aligned(v, reverse)
+        # reverse: the kernel starts at row N-1 (the byte offset of that row) with negated token strides
+        self.offsets = tuple(row_address(x, True) - x.data_ptr() for x in (q, k, v, out)) if reverse else None
         dev = q.device.index
         bh = b * h
         exact = fp32_precision != "tf32"  # the float32 kernel's mode (16-bit inputs ignore it)
@@ -400,7 +404,7 @@ class ChunkLaunch:
         seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
         self.nseg = nseg = -(-n // seg_len)
         fn = get_function(SOURCE, name, dev, extra_options=opts, dynamic_smem=smem)
-        grid, block, tail = (bh, -(-dv // bv), nseg), (threads, 1, 1), fwd_tail(q, k, v, out, scale)
+        grid, block, tail = (bh, -(-dv // bv), nseg), (threads, 1, 1), fwd_tail(q, k, v, out, scale, reverse)
         # head: q, k, v, out, log-decay, initial state, final state pointers
         self.fused = fn.bind(grid, block, smem, dev, 7, (*tail, seg_len, 0))
         self.device = q.device
@@ -425,6 +429,9 @@ class ChunkLaunch:
         final = torch.empty(self.state_shape, dtype=torch.float32, device=self.device) if self.need_state else None
         fp = 0 if final is None else final.data_ptr()
         qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if self.offsets is not None:
+            oq, ok, ov, oo = self.offsets
+            qp, kp, vp, op = qp + oq, kp + ok, vp + ov, op + oo
         if self.nseg == 1:
             self.fused(qp, kp, vp, op, self.lg_ptr, s0p, fp)
             return final
@@ -443,15 +450,22 @@ def kernel_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     """Plan the kernel call for ``[B, H, N, D]`` views with unit stride along D (see
     :class:`ChunkLaunch`): the autotune store's config for the shape bucket, else :func:`_plan`;
     ``fp32_precision``: the float32 kernel's mode."""
-    return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, fp32_precision)
+    return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, fp32_precision=fp32_precision)
 
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
-                   need_state: bool, fp32_precision: str = "exact") -> Optional[torch.Tensor]:
+                   need_state: bool, fp32_precision: str = "exact", *, reverse: bool = False) -> Optional[torch.Tensor]:
     """One fused pass, or with few (batch, head, value-tile) CTAs the split-sequence strategy:
     a states-only pass per segment, a scan over the segment states, and the fused pass per segment
     starting from its state. ``fp32_precision`` ("exact" or "tf32") selects the float32 kernel's
-    mode; 16-bit inputs ignore it."""
+    mode; 16-bit inputs ignore it.
+
+    ``reverse``: the operator on the reversed sequence (token N-1 first), its output written back
+    in reverse order, i.e. ``out = flip(F(flip(q), flip(k), flip(v)))`` along the tokens, with the
+    initial state entering before token N-1 and the final state after token 0. No copy: the kernel
+    gets the pointers of row N-1 and negated token strides (:mod:`._launch`); segments and the
+    states scan work in the kernel's (reversed) token order unchanged."""
     q, k, v = unit_stride(q, k, v)
-    return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, fp32_precision)(q, k, v, out, initial_state)
+    return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse,
+                       fp32_precision=fp32_precision)(q, k, v, out, initial_state)

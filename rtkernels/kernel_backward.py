@@ -1,0 +1,161 @@
+r"""The backward built from the forward: three passes of the ``chunk`` forward (its CUDA kernel on
+16-bit CUDA inputs), no backward kernel of its own.
+
+Per batch and head, with ``g_i = dL/do_i``, ``G = dL/dS_N`` (the gradient of the returned final
+state; absent when it is not returned or not used), ``S_i = gamma^(i+1) S_0 + sum_{j<=i}
+gamma^(i-j) k_j^T v_j``, ``o_i = scale q_i S_i`` and ``S_N = S_{N-1}``, write the forward operator
+and the same operator on the reversed sequence (token N-1 first, its output written back in
+reverse order) as
+
+    F(a, b, c, X)_i = scale (gamma^(i+1) a_i X + sum_{j<=i} gamma^(i-j) (a_i . b_j) c_j)
+    R(a, b, c)_j    = scale sum_{i>=j} gamma^(i-j) (a_j . b_i) c_i,   final state sum_i gamma^i b_i^T c_i
+
+(the reversed pass's final state: token i sits at reversed position N-1-i, N-1-(N-1-i) = i steps
+from the end). Differentiating ``L = sum_i g_i . o_i + <G, S_N>``::
+
+    dq_i = scale g_i S_i^T
+         = scale (gamma^(i+1) g_i S_0^T + sum_{j<=i} gamma^(i-j) (g_i . v_j) k_j)   = F(g, v, k, S_0^T)_i
+    dk_j = scale sum_{i>=j} gamma^(i-j) (v_j . g_i) q_i + gamma^(N-1-j) v_j G^T      = R(v, g, q)_j + ...
+    dv_j = scale sum_{i>=j} gamma^(i-j) (k_j . q_i) g_i + gamma^(N-1-j) k_j G        = R(k, q, g)_j + ...
+    dS_0 = scale sum_i gamma^(i+1) q_i^T g_i + gamma^N G     = scale gamma (final state of R(k, q, g)) + gamma^N G
+
+The G terms are batched products times the powers gamma^(N-1-j), added in torch operations; no
+term is ever divided by gamma or by scale (gamma may be 1e-6 and scale 0). dlog(gamma) is the
+chunked four-term formula of :func:`rtkernels.autograd.log_decay_grad`, shared with the torch
+backward. (The identity dlog(gamma) = sum_i i q_i . dq_i - sum_j j k_j . dk_j + ... is exact but
+subtracts two large sums of rounded 16-bit gradients: catastrophic cancellation.)
+
+The reversed passes cost no copy on the kernel path: :func:`rtkernels.methods.chunk.kernel_forward`
+with ``reverse=True`` hands the kernel the pointers of row N-1 and negated token strides. Where
+the kernel does not run (the CPU, fp32/fp64, Dk or Dv > 256), :func:`forward_pass` runs the torch
+``chunk`` path on flipped copies, so the same decomposition is what the CPU tests check in fp64.
+
+Precision (kernel path): every pass is the forward kernel: 16-bit operands (g included), fp32
+accumulation and state, outputs rounded to the input dtype; in fp16 the products g_i . v_j (the
+scores of the dq pass) are rounded to fp16 as the forward's q . k are, so a very large incoming
+gradient (loss scaling near fp16's range) can overflow there. dq, dk, dv come back in the input
+dtype (:class:`~rtkernels.autograd.Grads` allows it): the Function rounds gradients to the input
+dtype anyway, and fp32 copies would triple the backward's memory; the G terms are added in fp32
+and rounded once into them. dS_0 and dlog(gamma) are fp32.
+
+Work: three forward passes, plus O(N Dk Dv) for the G terms, plus for a trainable decay the torch
+chunked dlog(gamma), O(N C (Dk + Dv) + N Dk Dv). Memory: the three gradients (each written in
+place by its pass), a ``[B, H, Dk, Dv]`` fp32 final state and transposed S_0, the G terms in token
+blocks (three fp32 ``[B, H, N/8, D]`` temporaries at most), and for a trainable decay the
+temporaries of :func:`~rtkernels.autograd.log_decay_grad` (at most
+:data:`~rtkernels.autograd.DECAY_GRAD_BYTES`). No per-token state is ever formed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .autograd import BACKWARD_IMPLS, Grads, log_decay_grad
+from .decay import LogDecay
+from .methods import METHODS, chunk
+from .methods._torch_common import decay_powers, run_torch_path
+from .runtime.dtypes import compute_dtype
+
+__all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "kernel_backward", "supports", "register"]
+
+#: The G terms are added over this many token blocks (bounding their fp32 temporaries).
+STATE_TERM_BLOCKS = 8
+
+
+#: The input dtypes this backward runs the chunk kernel for. fp32 stays on the torch backward even
+#: where its forward runs the fp32 chunk kernel (that kernel's reversed passes are not tested here).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def kernel_runs(*tensors: torch.Tensor) -> bool:
+    """Whether the ``chunk`` kernel takes these operands: CUDA tensors of one dtype of
+    :data:`KERNEL_DTYPES` (fp16, bf16), every last dimension at most ``chunk.MAX_DIM``, and CuPy
+    with a driver."""
+    x = tensors[0]
+    return (x.dtype in KERNEL_DTYPES and all(t.dtype == x.dtype and t.shape[-1] <= chunk.MAX_DIM for t in tensors)
+            and METHODS["chunk"].uses_kernel(x, x))
+
+
+def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
+                 out: torch.Tensor, initial_state: Optional[torch.Tensor], need_state: bool,
+                 reverse: bool) -> Optional[torch.Tensor]:
+    """The forward operator into ``out`` (``[B, H, N, Dv]``), in token order or, with ``reverse``,
+    on the reversed sequence with its output written back in reverse order (``initial_state``
+    entering before token N-1, the final state, returned when ``need_state``, after token 0).
+
+    The ``chunk`` kernel where it takes q, k, v and ``out`` (reversal by negated strides, no copy);
+    otherwise the torch ``chunk`` path in the compute dtype on ``torch.flip``-ped copies.
+    Work O(N C (Dk + Dv) + N Dk Dv)."""
+    if kernel_runs(q, k, v, out):
+        return chunk.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state, reverse=reverse)
+    if not reverse:
+        return run_torch_path(chunk.torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)
+    flipped = torch.empty_like(out)
+    state = run_torch_path(chunk.torch_forward, q.flip(2), k.flip(2), v.flip(2), log_decay, scale, flipped,
+                           initial_state, need_state)
+    out.copy_(flipped.flip(2))
+    return state
+
+
+def _gradient_buffer(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty gradient for ``x`` in ``dtype`` with the strides of ``x`` where they are dense with a
+    unit last stride (so the gradient reaches a leaf in its layout without a copy), else contiguous."""
+    buf = torch.empty_like(x, dtype=dtype)
+    return buf if buf.stride(-1) == 1 else torch.empty(x.shape, dtype=dtype, device=x.device)
+
+
+def _add_state_term(dst: torch.Tensor, x: torch.Tensor, m: torch.Tensor, lg: torch.Tensor) -> None:
+    """``dst_j += gamma^(N-1-j) x_j m`` for every token j, in place (x: ``[B, H, N, Dx]``, m:
+    ``[B, H, Dx, D]`` and ``lg`` in the compute dtype), computed in the compute dtype over
+    :data:`STATE_TERM_BLOCKS` token blocks and rounded once into ``dst``. Work O(N Dx D)."""
+    n = x.shape[2]
+    step = -(-n // STATE_TERM_BLOCKS)
+    to_end = decay_powers(lg, n).flip(-2)  # [H, N, 1]: gamma^(N-1-j)
+    for a in range(0, n, step):
+        rows = slice(a, a + step)
+        dst[:, :, rows].add_(to_end[:, rows] * (x[:, :, rows].to(m.dtype) @ m))
+
+
+def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
+                    initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
+                    grad_state: Optional[torch.Tensor], need_state_grad: bool, need_decay_grad: bool) -> Grads:
+    """A :data:`~rtkernels.autograd.BackwardImpl`: the three forward passes of the module
+    docstring, the G terms and dlog(gamma). dq, dk, dv in the input dtype where the kernel runs,
+    else in the compute dtype; dS_0 and dlog(gamma) in the compute dtype."""
+    cdt = compute_dtype(q.dtype)
+    n = q.shape[2]
+    dtype = q.dtype if kernel_runs(q, k, v, grad_out) else cdt
+    dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
+    s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
+    forward_pass(grad_out, v, k, log_decay, scale, dq, s0_t, False, False)
+    forward_pass(v, grad_out, q, log_decay, scale, dk, None, False, True)
+    back = forward_pass(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True)
+    lg = log_decay.tensor(cdt)
+    d_s0 = back.to(cdt) * (scale * torch.exp(lg)).view(-1, 1, 1) if need_state_grad else None
+    if grad_state is not None:
+        g_state = grad_state.to(cdt)
+        _add_state_term(dk, v, g_state.transpose(-1, -2), lg)
+        _add_state_term(dv, k, g_state, lg)
+        if need_state_grad:
+            d_s0 += torch.exp(lg * n).view(-1, 1, 1) * g_state
+    d_log = None
+    if need_decay_grad:
+        d_log = log_decay_grad(q, k, v, log_decay, scale, initial_state, grad_out, grad_state)
+    return Grads(dq, dk, dv, d_s0, d_log)
+
+
+def supports(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Where :func:`kernel_backward` is registered to run: inputs the ``chunk`` kernel takes (CUDA,
+    fp16/bf16, Dk and Dv <= 256, CuPy present)."""
+    return q.dtype in KERNEL_DTYPES and METHODS["chunk"].uses_kernel(q, v)
+
+
+def register() -> None:
+    """Put :func:`kernel_backward` in front of :data:`~rtkernels.autograd.BACKWARD_IMPLS` (once)."""
+    if all(fn is not kernel_backward for _, fn in BACKWARD_IMPLS):
+        BACKWARD_IMPLS.insert(0, (supports, kernel_backward))
+
+
+register()

@@ -1,0 +1,183 @@
+"""The backward built from three forward passes (rtkernels/kernel_backward.py), on the CPU.
+
+Without the kernel, :func:`~rtkernels.kernel_backward.forward_pass` runs the torch ``chunk`` path on
+flipped tensors, so these fp64 tests check the decomposition itself (the reversed passes, the
+final-state terms, dS_0, the shared dlog(gamma)) against ``torch_backward``, against autograd through
+the fp64 reference and with gradcheck. tests/test_gpu_kernel_backward.py checks the kernel's
+reversed passes on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import pytest
+import torch
+
+import rtkernels
+import rtkernels.autograd as rk_autograd
+import test_grad_cpu as grad_cpu
+from inputs import make_qkv, make_state, randn
+from reference import reference
+from rtkernels.decay import LogDecay
+from rtkernels.kernel_backward import forward_pass, kernel_backward, supports
+from tolerances import assert_close
+
+F64 = torch.float64
+#: One head per decay: forgets at once, halves, keeps almost everything, keeps everything.
+GAMMAS = (1e-6, 0.5, 0.999999, 1.0)
+NS = (1, 63, 65, 130)
+#: (Dk, Dv), never equal
+SIZES = [(3, 16), (16, 40), (40, 3)]
+#: (initial state given, gradient of the returned final state given)
+STATES = [(False, False), (True, False), (False, True), (True, True)]
+NAMES = ("q", "k", "v", "initial_state", "log_decay")
+
+
+@pytest.fixture
+def kernel_impl(monkeypatch):
+    """Every backward of this test through kernel_backward (on the CPU the registry would pick
+    torch_backward)."""
+    monkeypatch.setattr(rk_autograd, "BACKWARD_IMPLS", [(lambda q, v: True, kernel_backward)])
+
+
+def _inputs(seed: int, n: int, dk: int, dv: int, with_s0: bool, with_g: bool, b: int = 2):
+    """fp64 ``[B, H, N, D]`` q, k, v, grad_out, and the initial state and final-state gradient (or None)."""
+    h = len(GAMMAS)
+    q, k, v = make_qkv(seed, b, h, n, dk, dv, F64)
+    gen = torch.Generator().manual_seed(seed + 1)
+    g = randn(gen, (b, h, n, dv), F64)
+    s0 = make_state(seed + 2, b, h, dk, dv, F64) if with_s0 else None
+    g_state = randn(gen, (b, h, dk, dv), F64) if with_g else None
+    return q, k, v, g, s0, g_state
+
+
+def _log_decay() -> LogDecay:
+    return LogDecay(torch.device("cpu"), host=tuple(math.log(x) for x in GAMMAS))
+
+
+@pytest.mark.parametrize("scale", (0.5, 0.0))
+@pytest.mark.parametrize("states", STATES, ids=lambda s: f"s0={int(s[0])}-G={int(s[1])}")
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("n", NS)
+def test_matches_torch_backward(n, sizes, states, scale):
+    """Every gradient of kernel_backward equals torch_backward's (fp64, to rounding)."""
+    q, k, v, g, s0, g_state = _inputs(n, n, *sizes, *states)
+    ld = _log_decay()
+    got = kernel_backward(q, k, v, ld, scale, s0, g, g_state, s0 is not None, True)
+    want = rk_autograd.torch_backward(q, k, v, ld, scale, s0, g, g_state, s0 is not None, True)
+    for name, x, r in zip(NAMES, got, want):
+        if r is None:
+            assert x is None, f"d{name} given where not asked for"
+            continue
+        assert x.dtype == F64 and x.shape == r.shape, f"d{name}: {x.dtype} {tuple(x.shape)}"
+        assert_close(x, r, F64, f"d{name} n={n} {sizes} {states} scale={scale}", n=n)
+
+
+def _grads(fn, leaves: list[torch.Tensor], w: torch.Tensor, ws: Optional[torch.Tensor]) -> tuple:
+    out, state = fn(*leaves)
+    loss = (out * w).sum() + ((state * ws).sum() if ws is not None else 0)
+    return torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("scale", (0.5, 0.0))
+@pytest.mark.parametrize("form", ("decay", "decay_rate"))
+@pytest.mark.parametrize("states", STATES, ids=lambda s: f"s0={int(s[0])}-G={int(s[1])}")
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("n", NS)
+def test_matches_fp64_autograd(kernel_impl, n, sizes, states, form, scale):
+    """Through the library (method "chunk", kernel_backward in the Function): the gradients of q, k,
+    v, the initial state and the decay (factors or rates that require grad) equal autograd through
+    the naive fp64 reference."""
+    with_s0, with_g = states
+    layout = "bnhd" if n % 2 else "bhnd"
+    q, k, v, g, s0, _ = _inputs(7 * n, n, *sizes, with_s0, with_g)
+    if layout == "bnhd":
+        q, k, v, g = (x.transpose(1, 2).contiguous() for x in (q, k, v, g))
+    ws = randn(torch.Generator().manual_seed(n), s0.shape if s0 is not None else (2, len(GAMMAS), *sizes), F64) \
+        if with_g else None
+    factors = torch.tensor(GAMMAS, dtype=F64)
+    decay = (factors if form == "decay" else -torch.log(factors)).requires_grad_(True)
+    tensors = [x.clone().requires_grad_(True) for x in (q, k, v, *([s0] if with_s0 else []))]
+
+    def lib(*xs):
+        return rtkernels.causal_linear_attention(xs[0], xs[1], xs[2], method="chunk", layout=layout, scale=scale,
+                                                 initial_state=xs[3] if with_s0 else None, return_state=True,
+                                                 **{form: xs[-1]})
+
+    def ref(*xs):
+        gam = xs[-1] if form == "decay" else torch.exp(-xs[-1])
+        return reference(xs[0], xs[1], xs[2], gam, scale, layout, xs[3] if with_s0 else None)
+
+    got = _grads(lib, tensors + [decay], g, ws)
+    want = _grads(ref, tensors + [decay], g, ws)
+    for name, x, r in zip(("q", "k", "v", *(["initial_state"] if with_s0 else []), form), got, want):
+        assert_close(x, r, F64, f"d{name} n={n} {sizes} {states} {form} scale={scale}", n=n)
+
+
+@pytest.mark.parametrize("layout", ("bhnd", "bnhd"))
+@pytest.mark.parametrize("form", ("decay", "decay_rate"))
+@pytest.mark.parametrize("n", (1, 17, 65))
+def test_gradcheck(kernel_impl, n, form, layout):
+    """gradcheck (fp64, fast mode) of (output, final state) through kernel_backward with respect to
+    q, k, v, the initial state and the decay (interior decays, which a central difference can
+    perturb), and at the boundary decays with respect to q, k, v and the initial state."""
+    fn = grad_cpu.library("chunk", form, layout, 0.7)
+    q, k, v, s0 = grad_cpu.leaves(*grad_cpu.problem(n, 1, 3, n, 3, 2, F64, layout))
+    assert torch.autograd.gradcheck(fn, (q, k, v, s0, grad_cpu.decay_tensor(form, grad_cpu.INNER_GAMMAS)),
+                                    fast_mode=True)
+    edge = grad_cpu.decay_tensor(form, grad_cpu.EDGE_GAMMAS)
+    assert torch.autograd.gradcheck(lambda *x: fn(*x, edge), (q, k, v, s0), fast_mode=True)
+
+
+def test_gradcheck_full_mode(kernel_impl):
+    """The element-by-element gradcheck once: odd sizes, two batches."""
+    grad_cpu.test_gradcheck_full_mode("chunk")
+
+
+@pytest.mark.parametrize("pos", (0, 64, 149))
+@pytest.mark.parametrize("which", ("q", "k", "v"))
+def test_nan_reaches_exactly_its_gradient_rows(kernel_impl, which, pos):
+    """NaN in an input reaches exactly the gradient entries autograd.py's docstring names, through
+    the three forward passes as through torch_backward."""
+    grad_cpu.test_nan_reaches_exactly_its_gradient_rows("chunk", which, pos, 0.9)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_low_precision_inputs(kernel_impl, dtype):
+    """fp32 and 16-bit inputs (the torch passes in fp32 on the CPU): gradients in the input dtypes
+    within the dtype's tolerance."""
+    grad_cpu.test_low_precision_gradients("chunk", dtype)
+
+
+@pytest.mark.parametrize("budget", (1, 2_000_000, 4_000_000, 1 << 40))
+def test_log_decay_grad_in_passes(monkeypatch, budget):
+    """dlog(gamma) over ranges of heads and batches (a small DECAY_GRAD_BYTES) equals one pass."""
+    q, k, v, g, s0, g_state = _inputs(3, 65, 16, 40, True, True, b=3)
+    ld = _log_decay()
+    whole = rk_autograd.log_decay_grad(q, k, v, ld, 0.5, s0, g, g_state)
+    monkeypatch.setattr(rk_autograd, "DECAY_GRAD_BYTES", budget)
+    assert_close(rk_autograd.log_decay_grad(q, k, v, ld, 0.5, s0, g, g_state), whole, F64, f"budget {budget}")
+
+
+@pytest.mark.parametrize("with_s0", (False, True))
+def test_reverse_pass_is_the_flipped_forward(with_s0):
+    """forward_pass(reverse=True) is the forward of the flipped sequence, flipped back; the initial
+    state enters before token N-1 and the final state leaves after token 0."""
+    q, k, v, _, s0, _ = _inputs(5, 70, 4, 6, with_s0, False)
+    ld = _log_decay()
+    out = torch.empty_like(v)
+    state = forward_pass(q, k, v, ld, 0.3, out, s0, True, True)
+    ref, ref_state = reference(q.flip(2), k.flip(2), v.flip(2), torch.tensor(GAMMAS, dtype=F64), 0.3,
+                               initial_state=s0)
+    assert_close(out, ref.flip(2), F64, "reversed output")
+    assert_close(state, ref_state, F64, "reversed final state")
+
+
+def test_registered_in_front_for_kernel_inputs_only():
+    """kernel_backward is first in BACKWARD_IMPLS, and declines CPU inputs (torch_backward runs)."""
+    assert rk_autograd.BACKWARD_IMPLS[0] == (supports, kernel_backward)
+    q = torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16)
+    assert not supports(q, q)
+    assert rk_autograd.backward_impl(q, q) is rk_autograd.torch_backward
