@@ -88,3 +88,18 @@ def test_cpu_calls_are_never_cached():
     api._fast.clear()
     out = api.causal_linear_attention(q, k, v, 0.9, method="chunk")
     assert not api._fast and math.isfinite(float(out.sum()))
+
+
+def test_a_forced_candidate_is_part_of_the_key_by_value():
+    from rtkernels import autotune
+
+    q, k, v = _qkv()
+    base = key(q, k, v)
+    a, b = (("bv", 64), ("segments", 1), ("wgmma", True)), (("bv", 128), ("segments", 1), ("wgmma", True))
+    with autotune.forced("chunk", a):
+        first = key(q, k, v)
+    with autotune.forced("chunk", a):  # the tuner times one candidate call after call: one plan
+        assert key(q, k, v) == first
+    with autotune.forced("chunk", b):
+        assert key(q, k, v) != first
+    assert first != base and key(q, k, v) == base

@@ -39,7 +39,7 @@ __all__ = [
     "ENV_AUTOTUNE", "ENV_CACHE_DIR", "Selection", "Space", "Problem", "Limits", "Candidate", "Trial",
     "TuneResult", "Store", "Config", "freeze", "cache_dir", "store_dir", "bucket", "selection", "tuned_config", "lookup",
     "tune", "record", "store_for_device", "use_store", "forced", "set_autotune_on_miss",
-    "autotune_on_miss", "clear", "generation",
+    "autotune_on_miss", "clear", "generation", "plan_state",
 ]
 
 #: Environment variable: ``1`` lets the first call of an untuned shape bucket tune it.
@@ -72,10 +72,17 @@ _generation = 0  # bumped whenever an answer of selection() / tuned_config() may
 
 
 def generation() -> int:
-    """A counter that changes whenever the answers of :func:`selection` and :func:`tuned_config`
-    may change (store replaced or cleared, results recorded, a candidate forced): callers that
-    cache a planned launch compare it."""
+    """A counter that changes whenever the store's answers to :func:`selection` and
+    :func:`tuned_config` may change (store replaced or cleared, results recorded); a forced
+    candidate is in :func:`plan_state`."""
     return _generation
+
+
+def plan_state() -> tuple:
+    """What a cached launch plan depends on in this module: :func:`generation` and the candidate
+    forced by :func:`forced` (by value, so that timing one candidate call after call reuses its
+    plan while a different candidate gets its own)."""
+    return (_generation, None if _forced is None else tuple(sorted(_forced.items())))
 
 
 def _bump() -> None:
@@ -116,12 +123,10 @@ def forced(method: str, config: Config) -> Iterator[None]:
     others): how the tuner runs one candidate through the ordinary call path."""
     global _forced
     prev, _forced = _forced, {method: config}
-    _bump()
     try:
         yield
     finally:
         _forced = prev
-        _bump()
 
 
 # -------------------------------------------------------------------------- resolution --- #

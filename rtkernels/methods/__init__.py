@@ -15,7 +15,7 @@ import torch
 
 from ..decay import LogDecay
 
-from ..autotune import generation, selection
+from ..autotune import plan_state, selection
 from ..runtime import kernels_available
 from . import block, chunk, fleet, recursion, scan, vanilla
 from ._torch_common import TorchForward, run_torch_path
@@ -99,8 +99,9 @@ def auto_method(q: torch.Tensor, v: torch.Tensor) -> str:
 
 def plan_epoch() -> tuple:
     """Changes whenever a planned kernel call may no longer be the one a new plan would make: the
-    autotune store's answers (:func:`rtkernels.autotune.generation`) and the chunk overrides."""
-    return (generation(), chunk.force_segments, chunk.force_wgmma, chunk.force_bv)
+    autotune store's answers and the candidate it forces (:func:`rtkernels.autotune.plan_state`) and
+    the chunk overrides."""
+    return (plan_state(), chunk.force_segments, chunk.force_wgmma, chunk.force_bv)
 
 
 def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
