@@ -110,3 +110,20 @@ def test_cupy_inputs_never_detach_a_grad_tensor():
         rtkernels.causal_linear_attention(qc, kc, vc, decay.clone().requires_grad_(True))
     out = rtkernels.causal_linear_attention(qc, kc, vc, decay.detach(), initial_state=s0.detach())
     assert isinstance(out, cupy.ndarray)
+
+
+@pytest.mark.parametrize("method", ["chunk", "scan"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fp32_exact_gradients_within_1e5(shape, method):
+    """Issue 5's fp32 figure: in the exact mode every gradient (q, k, v, S_0, decay) is within
+    1e-5 relative (Frobenius) of the fp64 autograd gradient."""
+    for gamma in GAMMAS:
+        (q, k, v, s0, decay, w, ws), want = _case(shape, torch.float32, gamma)
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, s0, decay)]
+        out, state = rtkernels.causal_linear_attention(*leaves[:3], leaves[4], scale=0.8, method=method,
+                                                       layout=shape[-1], initial_state=leaves[3],
+                                                       return_state=True, fp32_precision="exact")
+        ((out * w).sum() + (state * ws).sum()).backward()
+        for name, x, r in zip(NAMES, leaves, want):
+            err = ((x.grad.double() - r).norm() / r.norm().clamp(min=1e-300)).item()
+            assert err <= 1e-5, f"d{name} rel. error {err:.2e} ({method}, {shape}, gamma={gamma})"
