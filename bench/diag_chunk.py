@@ -49,7 +49,7 @@ def run(shape, variant, reps=20):
     finally:
         chunk.force_wgmma = chunk.force_bv = None
     fn = get_function(chunk.SOURCE, name, 0, extra_options=base_opts + opts, dynamic_smem=smem)
-    attrs = fn.function.attributes
+    attrs = fn.attributes
     args = (*fwd_args(q, k, v, out, ld, None, None, 1.0), N, 0)
     f = lambda: launch(fn, (B * H, -(-D // bv), 1), (threads, 1, 1), args, 0, shared_mem=smem)
     f()

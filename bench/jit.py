@@ -2,7 +2,7 @@
 
 * ``nvrtc_offline_s``: NVRTC alone (``compile_offline``, sm_90, no GPU needed) per kernel: the
   template instance the bf16 (or fp32) D = 128 problem uses. Measured in this process.
-* On a GPU, two fresh processes share a new, empty ``CUPY_CACHE_DIR``:
+* On a GPU, two fresh processes share a new, empty ``RTKERNELS_CACHE_DIR`` (kernel cache):
   - ``cold``: each kernel method's first call at (1, 2, 256, 128) in bf16 (scan/fleet/block also
     fp32), with the compile times of ``rtkernels.runtime.compile_log()`` (NVRTC + load), per kernel;
   - ``warm``: the same calls in a new process: the first call's wall time (target <= 100 ms) and
@@ -49,7 +49,7 @@ print("JSON" + json.dumps(out))
 
 
 def _child(cache: str) -> dict[str, Any]:
-    env = dict(os.environ, CUPY_CACHE_DIR=cache, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, RTKERNELS_CACHE_DIR=cache, CUPY_CACHE_DIR=cache, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, "-c", _CHILD % {"methods": METHODS}], capture_output=True, text=True,
                          env=env, timeout=600)
     for line in res.stdout.splitlines():

@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, NamedTuple, Optional, Sequence
 
-__all__ = ["main", "build_parser", "cupy_version", "nvrtc_version_text", "cupy_cache_dir", "no_gpu_reason"]
+__all__ = ["main", "build_parser", "cupy_version", "nvrtc_version_text", "kernel_cache_dir", "no_gpu_reason"]
 
 PROG = "rtkernels"
 
@@ -62,12 +62,13 @@ def nvrtc_version_text() -> str:
         return f"not available ({type(exc).__name__}: {exc})"
 
 
-def cupy_cache_dir() -> tuple[Path, str]:
-    """CuPy's kernel cache directory and where that setting comes from."""
-    env = os.environ.get("CUPY_CACHE_DIR")
-    if env:
-        return Path(env).expanduser(), "from CUPY_CACHE_DIR"
-    return Path("~/.cupy/kernel_cache").expanduser(), "CuPy's default; set CUPY_CACHE_DIR to move it"
+def kernel_cache_dir() -> tuple[Path, str]:
+    """rtkernels' compiled-kernel cache directory and where that setting comes from."""
+    from .autotune import ENV_CACHE_DIR
+    from .runtime.kernel_cache import kernels_dir
+
+    origin = f"from {ENV_CACHE_DIR}" if os.environ.get(ENV_CACHE_DIR) else f"platformdirs; set {ENV_CACHE_DIR} to move it"
+    return kernels_dir(), origin
 
 
 def _cuda_version_text(v: int) -> str:
@@ -188,9 +189,9 @@ def _run_info(args: argparse.Namespace) -> int:
         line("sources hash", sources_hash())
     except FileNotFoundError as exc:
         line("CUDA sources", f"missing: {exc}")
-    cache, origin = cupy_cache_dir()
+    cache, origin = kernel_cache_dir()
     state = _dir_summary(cache) if cache.is_dir() else "not created yet"
-    line("compiled kernels", f"CuPy's disk cache {cache} ({origin}; {state})")
+    line("compiled kernels", f"{cache} ({origin}; {state})")
 
     from .autotune import ENV_AUTOTUNE, ENV_CACHE_DIR, Store, autotune_on_miss, store_dir
     from .autotune.keys import device_fingerprint

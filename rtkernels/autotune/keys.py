@@ -31,9 +31,11 @@ def device_fingerprint(device_index: int) -> Fingerprint:
 
     from .. import __version__
     from ..runtime import nvrtc_version, sources_hash
+    from ..runtime.kernel_cache import recorded_nvrtc
 
     p = torch.cuda.get_device_properties(device_index)
-    major, minor = nvrtc_version()
+    # the NVRTC that compiled the cached kernels (no NVRTC load in a warm process), else the one at hand
+    major, minor = recorded_nvrtc() or nvrtc_version()
     return {"rtkernels": __version__, "sources": sources_hash(), "gpu": p.name,
             "capability": f"{p.major}.{p.minor}", "sms": int(p.multi_processor_count),
             "nvrtc": f"{major}.{minor}"}

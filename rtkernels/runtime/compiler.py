@@ -1,13 +1,10 @@
 """Compiling rtkernels' CUDA sources with NVRTC.
 
-Two routes share the same prepared source text (:func:`rtkernels.runtime.sources.load_source`) and
-the same options (:data:`BASE_OPTIONS`):
-
-* :func:`compile_offline` drives NVRTC directly through ``cupy.cuda.nvrtc``. It needs neither a GPU
-  nor a driver, so CI uses it to compile every kernel configuration for sm_80 and sm_90.
-* :func:`rtkernels.runtime.jit.get_function` compiles through ``cupy.RawModule`` for the GPU at
-  hand; CuPy caches the result on disk, keyed on the full text (headers included, since they are
-  inlined), the options, the architecture and the NVRTC version.
+:func:`compile_offline` drives NVRTC through CuPy's binding (``cupy.cuda.nvrtc``) on the prepared
+source text (:func:`rtkernels.runtime.sources.load_source`) with :data:`BASE_OPTIONS`. It needs
+neither a GPU nor a driver, so CI uses it to compile every kernel configuration for sm_80 and
+sm_90a; :func:`rtkernels.runtime.jit.get_function` uses it for the GPU at hand and keeps the
+result in rtkernels' kernel cache (:mod:`rtkernels.runtime.kernel_cache`).
 """
 
 from __future__ import annotations
@@ -16,7 +13,8 @@ from dataclasses import dataclass
 
 from .sources import load_source
 
-__all__ = ["BASE_OPTIONS", "KernelCompileError", "CompiledProgram", "compile_offline", "nvrtc_version"]
+__all__ = ["BASE_OPTIONS", "KernelCompileError", "CompiledProgram", "compile_offline", "nvrtc_version",
+           "nvrtc_archs"]
 
 #: NVRTC options of every rtkernels compile (the architecture is added per route).
 BASE_OPTIONS: tuple[str, ...] = ("-std=c++17",)
@@ -40,7 +38,7 @@ class CompiledProgram:
 
     source: str
     arch: str
-    cubin: bytes
+    cubin: bytes  # the image: a cubin for sm_XX, PTX text (NUL-terminated) for compute_XX
     lowered_names: dict[str, str]
     log: str
 
@@ -52,11 +50,19 @@ def nvrtc_version() -> tuple[int, int]:
     return tuple(nvrtc.getVersion())  # type: ignore[return-value]
 
 
+def nvrtc_archs() -> tuple[int, ...]:
+    """The SM versions NVRTC can emit a cubin for, e.g. (75, 80, 86, 89, 90, 100, ...)."""
+    from cupy.cuda import nvrtc
+
+    return tuple(int(x) for x in nvrtc.getSupportedArchs())
+
+
 def compile_offline(
     source: str, name_expressions: list[str] | tuple[str, ...], arch: str = "sm_90",
     extra_options: tuple[str, ...] = (),
 ) -> CompiledProgram:
-    """Compile ``cuda_src/<source>`` for ``arch`` (e.g. ``"sm_80"``) with no GPU needed.
+    """Compile ``cuda_src/<source>`` for ``arch`` (e.g. ``"sm_80"``; ``"compute_90"`` gives PTX)
+    with no GPU needed.
 
     Every entry of ``name_expressions`` (e.g. ``"rtk_scan_fwd<0, 64, 32, 16, 256>"``) is
     instantiated; the returned program maps each to its lowered (mangled) name.
@@ -76,7 +82,11 @@ def compile_offline(
             raise KernelCompileError(source, list(name_expressions), f"{exc}\n{log}") from None
         log = nvrtc.getProgramLog(prog)
         lowered = {e: nvrtc.getLoweredName(prog, e) for e in name_expressions}
-        cubin = nvrtc.getCUBIN(prog)
+        if arch.startswith("compute_"):
+            ptx = nvrtc.getPTX(prog)
+            cubin = (ptx.encode() if isinstance(ptx, str) else bytes(ptx)).rstrip(b"\0") + b"\0"
+        else:
+            cubin = nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
     return CompiledProgram(source, arch, bytes(cubin), lowered, log)

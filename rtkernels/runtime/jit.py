@@ -1,15 +1,18 @@
 """Just-in-time compilation and launching of rtkernels' kernels on torch tensors.
 
-Kernels are compiled at first use with ``cupy.RawModule`` (NVRTC) for the device of the tensors
-they run on, memoised per (device, source, template instance), and launched on torch's current
-stream of that device. Pointers are passed as Python ints (``tensor.data_ptr()``), so a launch
-wraps no tensor and copies nothing.
+Kernels are compiled at first use with NVRTC (:func:`~rtkernels.runtime.compiler.compile_offline`,
+through CuPy's binding) for the device of the tensors they run on, kept on disk by
+:mod:`rtkernels.runtime.kernel_cache`, loaded with the CUDA driver (CuPy's thin driver binding,
+``cupy_backends``, which imports without CuPy itself), memoised per (device, source, template
+instance, options), and launched on torch's current stream of that device. Pointers are passed as
+Python ints (``tensor.data_ptr()``), so a launch wraps no tensor and copies nothing. A process whose
+kernels are all in the disk cache never imports CuPy or loads NVRTC.
 """
 
 from __future__ import annotations
 
 import functools
-import os
+import importlib.util
 import struct
 import threading
 import time
@@ -17,7 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .compiler import BASE_OPTIONS, KernelCompileError
+from . import kernel_cache
+from .compiler import BASE_OPTIONS
 from .sources import load_source
 
 __all__ = ["cupy_available", "kernels_available", "get_function", "launch", "cupy_stream", "Kernel",
@@ -27,16 +31,21 @@ _lock = threading.Lock()
 _compile_log: list[dict[str, Any]] = []
 _functions: dict[tuple[int, str, str, tuple[str, ...]], Any] = {}
 _streams: dict[tuple[int, int], Any] = {}
+_ARCH_OPTIONS = ("-arch=", "--gpu-architecture=")
+_MAX_DYNAMIC_SMEM = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 @functools.lru_cache(maxsize=1)
 def cupy_available() -> bool:
-    """True when CuPy imports and sees a CUDA driver."""
+    """True when CuPy is installed (its CUDA driver binding imports) and torch sees a CUDA device.
+    CuPy itself is imported only when a kernel has to be compiled."""
     try:
-        import cupy
+        if importlib.util.find_spec("cupy") is None:
+            return False
+        from cupy_backends.cuda.api import driver  # noqa: F401
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # ImportError, or CUDARuntimeError without a driver
+        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except Exception:  # a broken installation: the torch paths run
         return False
 
 
@@ -45,11 +54,37 @@ def kernels_available(device: torch.device) -> bool:
     return device.type == "cuda" and cupy_available()
 
 
+def _target(device_index: int, extra_options: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    """(architecture, options without it): an ``-arch=`` option names it (e.g. sm_90a for the
+    wgmma kernels), else the device's compute capability."""
+    arch = next((o.split("=", 1)[1] for o in extra_options if o.startswith(_ARCH_OPTIONS)), None)
+    opts = tuple(o for o in extra_options if not o.startswith(_ARCH_OPTIONS))
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(device_index)
+        arch = f"sm_{major}{minor}"
+    return arch, opts
+
+
+def _compile(source: str, name_expression: str, arch: str,
+             opts: tuple[str, ...]) -> tuple[kernel_cache.CachedKernel, tuple[int, int]]:
+    """NVRTC: a cubin for ``arch``; PTX for the newest architecture NVRTC knows when it does not know
+    ``arch`` (a GPU newer than the NVRTC: the driver compiles the PTX)."""
+    from .compiler import compile_offline, nvrtc_archs, nvrtc_version
+
+    sm = int("".join(ch for ch in arch.split("_", 1)[1] if ch.isdigit()))
+    kind, target = "cubin", arch
+    known = nvrtc_archs()
+    if sm not in known:
+        kind, target = "ptx", f"compute_{max(x for x in known if x <= sm) if min(known) <= sm else min(known)}"
+    prog = compile_offline(source, [name_expression], target, opts)
+    return kernel_cache.CachedKernel(prog.cubin, prog.lowered_names[name_expression], kind), nvrtc_version()
+
+
 def get_function(source: str, name_expression: str, device_index: int,
-                 extra_options: tuple[str, ...] = (), dynamic_smem: int = 0) -> Any:
+                 extra_options: tuple[str, ...] = (), dynamic_smem: int = 0) -> "Kernel":
     """The compiled kernel ``name_expression`` of ``cuda_src/<source>`` on device ``device_index``.
 
-    Compiles on first use (CuPy keeps the binary in its disk cache) and memoises the function.
+    Loads it from the kernel cache or compiles it (and caches it), and memoises the function.
     ``dynamic_smem``: bytes of dynamic shared memory the kernel will be launched with; above the
     default 48 KiB the function's limit is raised once here. Raises :class:`KernelCompileError`
     with NVRTC's log when the source does not compile.
@@ -58,27 +93,21 @@ def get_function(source: str, name_expression: str, device_index: int,
     fn = _functions.get(key)
     if fn is not None:
         return fn
-    import cupy
-
     with _lock:
         fn = _functions.get(key)
         if fn is None:
             t0 = time.perf_counter()
-            with cupy.cuda.Device(device_index):
-                module = cupy.RawModule(
-                    code=load_source(source),
-                    options=(*BASE_OPTIONS, *extra_options),
-                    name_expressions=[name_expression],
-                )
-                try:
-                    fn = module.get_function(name_expression)
-                except cupy.cuda.compiler.CompileException as exc:
-                    raise KernelCompileError(source, [name_expression], str(exc)) from None
-                if dynamic_smem > 48 * 1024:
-                    fn.max_dynamic_shared_size_bytes = dynamic_smem
+            arch, opts = _target(device_index, extra_options)
+            ckey = kernel_cache.cache_key(load_source(source), name_expression, (*BASE_OPTIONS, *opts), arch)
+            cached = kernel_cache.load(ckey)
+            from_cache = cached is not None
+            if cached is None:
+                cached, nvrtc = _compile(source, name_expression, arch, opts)
+                kernel_cache.save(ckey, cached, nvrtc, arch)
+            fn = Kernel.load(cached, device_index, dynamic_smem)
             _compile_log.append({"source": source, "name": name_expression, "device": device_index,
-                                 "options": list(extra_options), "seconds": time.perf_counter() - t0})
-            fn = Kernel(fn)
+                                 "options": list(extra_options), "from_cache": from_cache,
+                                 "seconds": time.perf_counter() - t0})
             _functions[key] = fn
     return fn
 
@@ -112,31 +141,41 @@ def cupy_stream(device_index: int) -> Any:
 
 
 class Kernel:
-    """A compiled kernel on one device.
+    """A compiled kernel loaded on one device (the driver module stays loaded while it lives).
 
     :meth:`launch` packs the arguments into one reusable buffer and calls ``cuLaunchKernel``
     directly (a Python int goes in as a 64-bit integer, a float as a double: every parameter of
-    rtkernels' kernels is 8 bytes wide, or a 4-byte int read from the low half of its slot), which
-    costs a few microseconds less than CuPy's generic argument handling. Where CuPy does not
-    expose the function handle, or with ``RTKERNELS_CUPY_LAUNCH=1``, it launches through CuPy.
+    rtkernels' kernels is 8 bytes wide, or a 4-byte int read from the low half of its slot).
     """
 
-    def __init__(self, function: Any):
-        self.function = function  # keeps the module loaded
-        self.fast = False
-        try:
-            if os.environ.get("RTKERNELS_CUPY_LAUNCH") == "1":
-                raise RuntimeError("CuPy launch requested")
-            from cupy_backends.cuda.api import driver
+    def __init__(self, module: int, function: int, device_index: int):
+        from cupy_backends.cuda.api import driver
 
-            inner = getattr(function, "kernel", function)
-            self._ptr = int(inner.ptr)
-            self._launch_kernel = driver.launchKernel
-            self.fast = True
-        except Exception:
-            pass
+        self.module, self._ptr, self.device_index = module, function, device_index
+        self._launch_kernel = driver.launchKernel
         self._layouts: dict[int, tuple[struct.Struct, Any, int]] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, cached: kernel_cache.CachedKernel, device_index: int, dynamic_smem: int = 0) -> "Kernel":
+        """Load a compiled image on ``device_index`` (in torch's primary context of that device)."""
+        from cupy_backends.cuda.api import driver
+
+        with torch.cuda.device(device_index):
+            torch.cuda.current_stream(device_index)  # the primary context is current from here on
+            module = driver.moduleLoadData(cached.image)
+            function = driver.moduleGetFunction(module, cached.lowered)
+            if dynamic_smem > 48 * 1024:
+                driver.funcSetAttribute(function, _MAX_DYNAMIC_SMEM, dynamic_smem)
+        return cls(module, function, device_index)
+
+    @property
+    def attributes(self) -> dict[str, int]:
+        """Registers, local (spill) memory and static shared memory of the compiled kernel."""
+        from cupy_backends.cuda.api import driver
+
+        attr = {"max_threads_per_block": 0, "shared_size_bytes": 1, "local_size_bytes": 3, "num_regs": 4}
+        return {k: int(driver.funcGetAttribute(a, self._ptr)) for k, a in attr.items()}
 
     @staticmethod
     def _layout(args: Sequence[Any]) -> tuple[struct.Struct, Any, int]:
@@ -156,9 +195,6 @@ class Kernel:
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: Sequence[Any],
                shared_mem: int, device_index: int) -> None:
-        if not self.fast:
-            self.function(grid, block, tuple(args), shared_mem=shared_mem, stream=cupy_stream(device_index))
-            return
         stream = _raw_stream(device_index)
         with self._lock:
             layout = self._layouts.get(len(args))
@@ -184,14 +220,13 @@ class BoundLaunch:
         self.kernel, self.grid, self.block, self.shared_mem = kernel, grid, block, shared_mem
         self.dev, self.n_head, self.tail = device_index, n_head, tail
         self._lock = threading.Lock()
-        if kernel.fast:
-            packer, (buf, params), self._params = Kernel._layout((0,) * n_head + tail)
-            packer.pack_into(buf, 0, *((0,) * n_head), *tail)
-            self._buf, self._head = (buf, params), struct.Struct(f"<{n_head}q")
+        packer, (buf, params), self._params = Kernel._layout((0,) * n_head + tail)
+        packer.pack_into(buf, 0, *((0,) * n_head), *tail)
+        self._buf, self._head = (buf, params), struct.Struct(f"<{n_head}q")
 
     def __call__(self, *head: int) -> None:
         k = self.kernel
-        if not k.fast or torch._C._cuda_getDevice() != self.dev:
+        if torch._C._cuda_getDevice() != self.dev:
             launch(k, self.grid, self.block, (*head, *self.tail), self.dev, shared_mem=self.shared_mem)
             return
         g, b = self.grid, self.block
@@ -207,7 +242,5 @@ def launch(fn: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int],
     if torch.cuda.current_device() == device_index:
         fn.launch(grid, block, args, shared_mem, device_index)
         return
-    import cupy
-
-    with cupy.cuda.Device(device_index):
+    with torch.cuda.device(device_index):  # the device's primary context current for the launch
         fn.launch(grid, block, args, shared_mem, device_index)

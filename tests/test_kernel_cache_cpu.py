@@ -1,0 +1,68 @@
+"""rtkernels' compiled-kernel disk cache (rtkernels.runtime.kernel_cache), without a GPU."""
+
+import json
+import os
+import warnings
+
+import pytest
+
+from rtkernels.runtime import kernel_cache as kc
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RTKERNELS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kc, "_warned", False)
+    return tmp_path / "kernels"
+
+
+def test_round_trip_and_recorded_nvrtc(cache):
+    key = kc.cache_key("source text", "k<1>", ("-std=c++17",), "sm_90a")
+    assert kc.load(key) is None and kc.recorded_nvrtc() is None
+    kc.save(key, kc.CachedKernel(b"\x7fELF image", "_Z1kILi1EEvv", "cubin"), (13, 0), "sm_90a")
+    got = kc.load(key)
+    assert (got.image, got.lowered, got.kind) == (b"\x7fELF image", "_Z1kILi1EEvv", "cubin")
+    assert kc.recorded_nvrtc() == (13, 0)
+    assert not list(cache.glob("*.tmp"))  # atomic writes leave no temporaries
+
+
+@pytest.mark.parametrize("change", [("other text", "k<1>", ("-std=c++17",), "sm_90a"),
+                                    ("source text", "k<2>", ("-std=c++17",), "sm_90a"),
+                                    ("source text", "k<1>", ("-std=c++17", "-DX=1"), "sm_90a"),
+                                    ("source text", "k<1>", ("-std=c++17",), "sm_90")])
+def test_every_input_of_the_compile_is_in_the_key(change):
+    assert kc.cache_key(*change) != kc.cache_key("source text", "k<1>", ("-std=c++17",), "sm_90a")
+
+
+def test_corrupt_or_partial_entries_are_compiled_again(cache):
+    key = kc.cache_key("t", "k", (), "sm_80")
+    kc.save(key, kc.CachedKernel(b"img", "_Z1k", "cubin"), (12, 9), "sm_80")
+    (cache / f"{key}.json").write_text("{not json")
+    assert kc.load(key) is None
+    kc.save(key, kc.CachedKernel(b"img", "_Z1k", "cubin"), (12, 9), "sm_80")
+    os.remove(cache / f"{key}.bin")
+    assert kc.load(key) is None
+    meta = {"format": "something else", "lowered": "_Z1k"}
+    (cache / f"{key}.json").write_text(json.dumps(meta))
+    (cache / f"{key}.bin").write_bytes(b"img")
+    assert kc.load(key) is None
+
+
+def test_unwritable_directory_warns_once_and_goes_on(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # the cache root is a file: nothing can be created under it (root included)
+    monkeypatch.setenv("RTKERNELS_CACHE_DIR", str(blocker))
+    monkeypatch.setattr(kc, "_warned", False)
+    key = kc.cache_key("t", "k", (), "sm_80")
+    with pytest.warns(RuntimeWarning, match="kernel cache"):
+        kc.save(key, kc.CachedKernel(b"img", "_Z1k", "cubin"), (12, 9), "sm_80")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kc.save(key, kc.CachedKernel(b"img", "_Z1k", "cubin"), (12, 9), "sm_80")  # no second warning
+    assert kc.load(key) is None and kc.recorded_nvrtc() is None
+
+
+def test_a_ptx_image_round_trips_as_ptx(cache):
+    key = kc.cache_key("t", "k", (), "sm_120")
+    kc.save(key, kc.CachedKernel(b".version 8.8\n\0", "_Z1k", "ptx"), (12, 9), "sm_120")
+    assert kc.load(key).kind == "ptx"
