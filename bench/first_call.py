@@ -1,31 +1,38 @@
-"""Scratch: where the first chunk call of a new process goes (warm CuPy disk cache), step by step."""
+"""Scratch: where the first chunk call of a new process goes (warm kernel cache), step by step.
+Run twice: the first run fills the cache."""
 import time
 
-t0 = time.perf_counter()
+T = [("start", time.perf_counter())]
+mark = lambda name: T.append((name, time.perf_counter()))
 import torch  # noqa: E402
-t1 = time.perf_counter()
-torch.cuda.init()
+mark("import torch")
 x = torch.randn(1, 2, 256, 128, device="cuda").bfloat16()
 torch.cuda.synchronize()
-t2 = time.perf_counter()
+mark("cuda init")
 import rtkernels  # noqa: E402
-t3 = time.perf_counter()
-import cupy  # noqa: E402
-t4 = time.perf_counter()
-cupy.cuda.runtime.getDeviceCount()
-t5 = time.perf_counter()
+mark("import rtkernels")
+from rtkernels.runtime import jit, kernel_cache, load_source  # noqa: E402
+from rtkernels.methods import chunk  # noqa: E402
+jit.cupy_available()
+mark("cupy_available")
 from rtkernels.autotune import store_for_device  # noqa: E402
 store_for_device(0)
-t6 = time.perf_counter()
+mark("autotune store")
+name, bv, nseg, smem, threads, opts = chunk._plan(torch.bfloat16, 128, 128, True, 2, 256, 0, ())
+mark("plan")
+arch, o = jit._target(0, opts)
+key = kernel_cache.cache_key(load_source("chunk.cu"), name, ("-std=c++17", *o), arch)
+mark("cache key")
+cached = kernel_cache.load(key)
+mark("cache read" + ("" if cached else " (miss)"))
+if cached:
+    fn = jit.Kernel.load(cached, 0, smem)
+    mark("module load")
 rtkernels.causal_linear_attention(x, x, x, 0.9, method="chunk")
 torch.cuda.synchronize()
-t7 = time.perf_counter()
+mark("first call")
 rtkernels.causal_linear_attention(x, x, x, 0.9, method="chunk")
 torch.cuda.synchronize()
-t8 = time.perf_counter()
-ms = lambda a, b: f"{(b - a) * 1e3:.1f} ms"
-print("import torch", ms(t0, t1), "| cuda init", ms(t1, t2), "| import rtkernels", ms(t2, t3),
-      "| import cupy", ms(t3, t4), "| getDeviceCount", ms(t4, t5), "| autotune store", ms(t5, t6),
-      "| first call", ms(t6, t7), "| second call", ms(t7, t8))
-from rtkernels.runtime import compile_log  # noqa: E402
-print(compile_log())
+mark("second call")
+print(" | ".join(f"{n} {(t - T[i][1]) * 1e3:.1f} ms" for i, (n, t) in enumerate(T[1:])))
+print("cupy imported:", "cupy" in __import__("sys").modules)
