@@ -2,8 +2,8 @@
 
 Kernels are compiled at first use with NVRTC (:func:`~rtkernels.runtime.compiler.compile_offline`,
 through CuPy's binding) for the device of the tensors they run on, kept on disk by
-:mod:`rtkernels.runtime.kernel_cache`, loaded with the CUDA driver (CuPy's thin driver binding,
-``cupy_backends``, which imports without CuPy itself), memoised per (device, source, template
+:mod:`rtkernels.runtime.kernel_cache`, loaded with the CUDA driver (:mod:`rtkernels.runtime.driver`:
+ctypes on libcuda), memoised per (device, source, template
 instance, options), and launched on torch's current stream of that device. Pointers are passed as
 Python ints (``tensor.data_ptr()``), so a launch wraps no tensor and copies nothing. A process whose
 kernels are all in the disk cache never imports CuPy or loads NVRTC.
@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import kernel_cache
+from . import driver, kernel_cache
 from .compiler import BASE_OPTIONS
 from .sources import load_source
 
@@ -32,7 +32,6 @@ _compile_log: list[dict[str, Any]] = []
 _functions: dict[tuple[int, str, str, tuple[str, ...]], Any] = {}
 _streams: dict[tuple[int, int], Any] = {}
 _ARCH_OPTIONS = ("-arch=", "--gpu-architecture=")
-_MAX_DYNAMIC_SMEM = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 
 
 @functools.lru_cache(maxsize=1)
@@ -149,33 +148,28 @@ class Kernel:
     """
 
     def __init__(self, module: int, function: int, device_index: int):
-        from cupy_backends.cuda.api import driver
-
         self.module, self._ptr, self.device_index = module, function, device_index
-        self._launch_kernel = driver.launchKernel
+        self._launch_kernel = driver.launch_kernel()
         self._layouts: dict[int, tuple[struct.Struct, Any, int]] = {}
         self._lock = threading.Lock()
 
     @classmethod
     def load(cls, cached: kernel_cache.CachedKernel, device_index: int, dynamic_smem: int = 0) -> "Kernel":
         """Load a compiled image on ``device_index`` (in torch's primary context of that device)."""
-        from cupy_backends.cuda.api import driver
-
         with torch.cuda.device(device_index):
             torch.cuda.current_stream(device_index)  # the primary context is current from here on
-            module = driver.moduleLoadData(cached.image)
-            function = driver.moduleGetFunction(module, cached.lowered)
+            module = driver.module_load_data(cached.image)
+            function = driver.module_get_function(module, cached.lowered)
             if dynamic_smem > 48 * 1024:
-                driver.funcSetAttribute(function, _MAX_DYNAMIC_SMEM, dynamic_smem)
+                driver.func_set_attribute(function, driver.MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic_smem)
         return cls(module, function, device_index)
 
     @property
     def attributes(self) -> dict[str, int]:
         """Registers, local (spill) memory and static shared memory of the compiled kernel."""
-        from cupy_backends.cuda.api import driver
-
-        attr = {"max_threads_per_block": 0, "shared_size_bytes": 1, "local_size_bytes": 3, "num_regs": 4}
-        return {k: int(driver.funcGetAttribute(a, self._ptr)) for k, a in attr.items()}
+        attr = {"max_threads_per_block": driver.MAX_THREADS_PER_BLOCK, "shared_size_bytes": driver.SHARED_SIZE_BYTES,
+                "local_size_bytes": driver.LOCAL_SIZE_BYTES, "num_regs": driver.NUM_REGS}
+        return {k: driver.func_get_attribute(self._ptr, a) for k, a in attr.items()}
 
     @staticmethod
     def _layout(args: Sequence[Any]) -> tuple[struct.Struct, Any, int]:
@@ -202,8 +196,10 @@ class Kernel:
                 layout = self._layouts[len(args)] = self._layout(args)
             packer, (buf, _), params_ptr = layout
             packer.pack_into(buf, 0, *args)
-            self._launch_kernel(self._ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                                shared_mem, stream, params_ptr, 0)
+            status = self._launch_kernel(self._ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                                         shared_mem, stream, params_ptr, 0)
+        if status:
+            driver.check(status, "cuLaunchKernel")
 
 
 class BoundLaunch:
@@ -233,7 +229,10 @@ class BoundLaunch:
         stream = _raw_stream(self.dev)
         with self._lock:
             self._head.pack_into(self._buf[0], 0, *head)
-            k._launch_kernel(k._ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream, self._params, 0)
+            status = k._launch_kernel(k._ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream,
+                                      self._params, 0)
+        if status:
+            driver.check(status, "cuLaunchKernel")
 
 
 def launch(fn: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int],

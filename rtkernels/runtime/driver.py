@@ -1,0 +1,110 @@
+"""The five CUDA driver calls rtkernels makes, through ctypes on the driver library torch loaded.
+
+Module load, function lookup, function attributes and ``cuLaunchKernel``. Going straight to
+``libcuda`` keeps a process whose kernels are all in the kernel cache from importing CuPy: CuPy's
+own driver binding loads the driver through CuPy's package (about 85 ms on an H200 host). Every
+call returns the driver's status; a non-zero status raises :class:`CudaDriverError` with the
+driver's name for it. Where ``libcuda`` cannot be opened this way, CuPy's binding
+(``cupy_backends.cuda.api.driver``) does the same calls.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any, Callable
+
+__all__ = ["CudaDriverError", "check", "module_load_data", "module_get_function", "func_set_attribute",
+           "func_get_attribute", "launch_kernel"]
+
+#: CUfunction_attribute values used here.
+MAX_THREADS_PER_BLOCK, SHARED_SIZE_BYTES, LOCAL_SIZE_BYTES, NUM_REGS = 0, 1, 3, 4
+MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+class CudaDriverError(RuntimeError):
+    """A CUDA driver call failed; the message names the call and the driver's error."""
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> Any:
+    """libcuda through ctypes with the argument types set, or None."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    vp, u, i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_int
+    sig = {"cuModuleLoadData": [ctypes.POINTER(vp), ctypes.c_char_p],
+           "cuModuleGetFunction": [ctypes.POINTER(vp), vp, ctypes.c_char_p],
+           "cuFuncSetAttribute": [vp, i, i],
+           "cuFuncGetAttribute": [ctypes.POINTER(i), i, vp],
+           "cuLaunchKernel": [vp, u, u, u, u, u, u, u, vp, vp, vp],
+           "cuGetErrorName": [i, ctypes.POINTER(ctypes.c_char_p)]}
+    for name, args in sig.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, i
+    return lib
+
+
+def check(status: int, call: str) -> None:
+    """Raise :class:`CudaDriverError` for a non-zero ``status`` of ``call``."""
+    if status:
+        name = ctypes.c_char_p()
+        lib = _lib()
+        text = (name.value or b"?").decode() if lib is not None and not lib.cuGetErrorName(status, ctypes.byref(name)) \
+            else "?"
+        raise CudaDriverError(f"{call} failed: {text} ({status})")
+
+
+def _cupy() -> Any:
+    from cupy_backends.cuda.api import driver
+
+    return driver
+
+
+def module_load_data(image: bytes) -> int:
+    """``cuModuleLoadData`` in the current context: the module handle."""
+    lib = _lib()
+    if lib is None:
+        return int(_cupy().moduleLoadData(image))
+    handle = ctypes.c_void_p()
+    check(lib.cuModuleLoadData(ctypes.byref(handle), image), "cuModuleLoadData")
+    return int(handle.value or 0)
+
+
+def module_get_function(module: int, name: str) -> int:
+    """``cuModuleGetFunction``: the function handle of the kernel with lowered name ``name``."""
+    lib = _lib()
+    if lib is None:
+        return int(_cupy().moduleGetFunction(module, name))
+    handle = ctypes.c_void_p()
+    check(lib.cuModuleGetFunction(ctypes.byref(handle), module, name.encode()), "cuModuleGetFunction")
+    return int(handle.value or 0)
+
+
+def func_set_attribute(function: int, attribute: int, value: int) -> None:
+    """``cuFuncSetAttribute``."""
+    lib = _lib()
+    if lib is None:
+        _cupy().funcSetAttribute(function, attribute, value)
+        return
+    check(lib.cuFuncSetAttribute(function, attribute, value), "cuFuncSetAttribute")
+
+
+def func_get_attribute(function: int, attribute: int) -> int:
+    """``cuFuncGetAttribute``."""
+    lib = _lib()
+    if lib is None:
+        return int(_cupy().funcGetAttribute(attribute, function))
+    out = ctypes.c_int()
+    check(lib.cuFuncGetAttribute(ctypes.byref(out), attribute, function), "cuFuncGetAttribute")
+    return out.value
+
+
+def launch_kernel() -> Callable[..., Any]:
+    """``launch(function, gx, gy, gz, bx, by, bz, shared_mem, stream, params, extra) -> status``:
+    ``cuLaunchKernel`` with plain ints (``params``: the address of the argument pointer array). The
+    caller passes a non-zero status to :func:`check` (CuPy's binding raises itself and returns
+    None)."""
+    lib = _lib()
+    return _cupy().launchKernel if lib is None else lib.cuLaunchKernel
