@@ -55,6 +55,24 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("rtkernels", appauthor=False))
 
 
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one: a
+    temporary file in the same directory, flushed to disk, then ``os.replace``."""
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def store_dir() -> Path:
     """Where the autotune results files live: ``cache_dir() / "autotune"``."""
     return cache_dir() / "autotune"
@@ -156,17 +174,4 @@ class Store:
     def _write(self, entries: dict[str, dict]) -> None:
         data: dict[str, Any] = {"format": FORMAT, "fingerprint": self.fingerprint,
                                 "entries": dict(sorted(entries.items()))}
-        fd, tmp = tempfile.mkstemp(prefix=self.path.name + ".", suffix=".tmp", dir=self.directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1, sort_keys=False)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        atomic_write(self.path, (json.dumps(data, indent=1, sort_keys=False) + "\n").encode("utf-8"))

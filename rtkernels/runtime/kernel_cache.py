@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -69,31 +67,19 @@ def load(key: str) -> Optional[CachedKernel]:
         return None
 
 
-def _write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def save(key: str, kernel: CachedKernel, nvrtc: Sequence[int], arch: str) -> None:
     """Keep ``kernel`` under ``key`` (and record the NVRTC version); warn once if impossible."""
     global _warned
     d = kernels_dir()
     version = ".".join(str(x) for x in nvrtc)
     meta = {"format": _FORMAT, "lowered": kernel.lowered, "kind": kernel.kind, "nvrtc": version, "arch": arch}
+    from ..autotune.store import atomic_write
+
     try:
         d.mkdir(parents=True, exist_ok=True)
-        _write(d / f"{key}.bin", kernel.image)
-        _write(d / f"{key}.json", json.dumps(meta, indent=1).encode())
-        _write(d / "nvrtc.json", json.dumps({"format": _FORMAT, "nvrtc": version}).encode())
+        atomic_write(d / f"{key}.bin", kernel.image)
+        atomic_write(d / f"{key}.json", json.dumps(meta, indent=1).encode())
+        atomic_write(d / "nvrtc.json", json.dumps({"format": _FORMAT, "nvrtc": version}).encode())
     except OSError as exc:
         if not _warned:
             _warned = True
