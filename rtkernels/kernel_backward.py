@@ -149,7 +149,7 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
 def supports(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Where :func:`kernel_backward` is registered to run: inputs the ``chunk`` kernel takes (CUDA,
     fp16/bf16, Dk and Dv <= 256, CuPy present)."""
-    return q.dtype in KERNEL_DTYPES and METHODS["chunk"].uses_kernel(q, v)
+    return kernel_runs(q, v)
 
 
 def register() -> None:

@@ -66,3 +66,19 @@ def test_a_ptx_image_round_trips_as_ptx(cache):
     key = kc.cache_key("t", "k", (), "sm_120")
     kc.save(key, kc.CachedKernel(b".version 8.8\n\0", "_Z1k", "ptx"), (12, 9), "sm_120")
     assert kc.load(key).kind == "ptx"
+
+
+@pytest.mark.parametrize("arch, want", [("sm_90a", ("cubin", "sm_90a")), ("sm_80", ("cubin", "sm_80")),
+                                        ("sm_130", ("ptx", "compute_121")), ("sm_30", ("ptx", "compute_50"))])
+def test_target_a_cubin_for_known_archs_else_ptx_of_the_nearest_older_one(arch, want, monkeypatch):
+    from types import SimpleNamespace
+
+    from rtkernels.runtime import compiler, jit
+
+    seen = []
+    monkeypatch.setattr(compiler, "nvrtc_archs", lambda: (50, 75, 80, 86, 89, 90, 100, 120, 121))
+    monkeypatch.setattr(compiler, "nvrtc_version", lambda: (13, 0))
+    monkeypatch.setattr(compiler, "compile_offline", lambda src, names, target, opts: seen.append(target) or
+                        SimpleNamespace(cubin=b"img", lowered_names={names[0]: "_Z1k"}))
+    kernel, nvrtc = jit._compile("scan.cu", "k<1>", arch, ())
+    assert (kernel.kind, seen[0]) == want and nvrtc == (13, 0)

@@ -59,10 +59,9 @@ def fwd_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
 
 
 def fwd_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, log_decay: LogDecay,
-             s0: Optional[torch.Tensor], final: Optional[torch.Tensor], scale: float,
-             reverse: bool = False) -> tuple:
-    """The ``RTK_FWD_PARAMS`` argument tuple; ``reverse``: q, k, v and the output all in reversed
-    token order (the module docstring): pointers of row N-1, token strides negated."""
-    return (*(row_address(x, reverse) for x in (q, k, v, out)), log_decay.tensor(torch.float32).data_ptr(),
+             s0: Optional[torch.Tensor], final: Optional[torch.Tensor], scale: float) -> tuple:
+    """The ``RTK_FWD_PARAMS`` argument tuple, in token order (a reversed launch plans its
+    pointers with :func:`row_address` and its strides with :func:`fwd_tail`)."""
+    return (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), log_decay.tensor(torch.float32).data_ptr(),
             0 if s0 is None else s0.data_ptr(), 0 if final is None else final.data_ptr(),
-            *fwd_tail(q, k, v, out, scale, reverse))
+            *fwd_tail(q, k, v, out, scale))

@@ -49,11 +49,9 @@ def _lib() -> Any:
 def check(status: int, call: str) -> None:
     """Raise :class:`CudaDriverError` for a non-zero ``status`` of ``call``."""
     if status:
-        name = ctypes.c_char_p()
-        lib = _lib()
-        text = (name.value or b"?").decode() if lib is not None and not lib.cuGetErrorName(status, ctypes.byref(name)) \
-            else "?"
-        raise CudaDriverError(f"{call} failed: {text} ({status})")
+        lib, name = _lib(), ctypes.c_char_p()
+        known = lib is not None and lib.cuGetErrorName(status, ctypes.byref(name)) == 0 and name.value
+        raise CudaDriverError(f"{call} failed: {name.value.decode() if known else '?'} ({status})")
 
 
 def _cupy() -> Any:

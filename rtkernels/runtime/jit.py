@@ -24,13 +24,12 @@ from . import driver, kernel_cache
 from .compiler import BASE_OPTIONS
 from .sources import load_source
 
-__all__ = ["cupy_available", "kernels_available", "get_function", "launch", "cupy_stream", "Kernel",
-           "BoundLaunch", "compile_log"]
+__all__ = ["cupy_available", "kernels_available", "get_function", "launch", "Kernel", "BoundLaunch",
+           "compile_log"]
 
 _lock = threading.Lock()
 _compile_log: list[dict[str, Any]] = []
 _functions: dict[tuple[int, str, str, tuple[str, ...]], Any] = {}
-_streams: dict[tuple[int, int], Any] = {}
 _ARCH_OPTIONS = ("-arch=", "--gpu-architecture=")
 
 
@@ -74,7 +73,7 @@ def _compile(source: str, name_expression: str, arch: str,
     kind, target = "cubin", arch
     known = nvrtc_archs()
     if sm not in known:
-        kind, target = "ptx", f"compute_{max(x for x in known if x <= sm) if min(known) <= sm else min(known)}"
+        kind, target = "ptx", f"compute_{max((x for x in known if x <= sm), default=min(known))}"
     prog = compile_offline(source, [name_expression], target, opts)
     return kernel_cache.CachedKernel(prog.cubin, prog.lowered_names[name_expression], kind), nvrtc_version()
 
@@ -113,8 +112,8 @@ def get_function(source: str, name_expression: str, device_index: int,
 
 def compile_log() -> list[dict[str, Any]]:
     """One record per kernel this process has obtained through :func:`get_function`: ``source``,
-    ``name``, ``device``, ``options`` and ``seconds`` (wall time of NVRTC's compile and the module
-    load; with a warm CuPy disk cache only the load)."""
+    ``name``, ``device``, ``options``, ``from_cache`` and ``seconds`` (wall time of NVRTC's compile
+    and the module load; from the kernel cache only the load)."""
     return [dict(r) for r in _compile_log]
 
 
@@ -125,18 +124,6 @@ def _raw_stream(device_index: int) -> int:
 if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # the handle without building a Stream object
     def _raw_stream(device_index: int) -> int:  # noqa: F811
         return torch._C._cuda_getCurrentRawStream(device_index)
-
-
-def cupy_stream(device_index: int) -> Any:
-    """A CuPy view of torch's current stream on ``device_index`` (cached per stream handle)."""
-    key = (device_index, _raw_stream(device_index))
-    stream = _streams.get(key)
-    if stream is None:
-        import cupy
-
-        stream = cupy.cuda.ExternalStream(key[1], device_index)
-        _streams[key] = stream
-    return stream
 
 
 class Kernel:
