@@ -30,6 +30,14 @@
 #define RTK_MN_LBO(region) (region)
 #define RTK_MN_SBO(region) 1024
 
+// The last parameter of rtk_chunk_fwd: the whole fused pass (init_state: the state entering the
+// CTA's segment, slot z), the states-only pass of the split-sequence strategy, or the fused pass
+// after rtk_chunk_states (init_state: its slots, see rtk_chunk_state::fold; the final state is
+// stored by the last segment, unslotted).
+#define RTK_MODE_FUSED 0
+#define RTK_MODE_STATES 1
+#define RTK_MODE_FOLD 2
+
 #ifndef RTK_KUNROLL  // unrolling of the output warps' k loop (experiment knob)
 #define RTK_KUNROLL 1
 #endif
@@ -83,16 +91,16 @@ struct rtk_chunk_smem {
   const bool ovec_full = dv_here == BV && ((o_sn & 1) == 0) &&                                    \
                          ((reinterpret_cast<size_t>(ob + v0) & (2 * (int)sizeof(T) - 1)) == 0)
 
-// Loading one chunk into a stage, the state warps' job (they have slack). Thread st = tid - 128
-// copies 16-byte pieces (E elements) at a fixed column of rows st / PIECES + pass * ROWS, so every
+// Loading one chunk into a stage, the state warps' job (they have slack; all THREADS threads of
+// rtk_chunk_states). Thread st = tid - 128 (st = tid there) copies 16-byte pieces (E elements) at a fixed column of rows st / PIECES + pass * ROWS, so every
 // address is a base pointer plus a multiple of the row stride. The pointers of pass 0 keep the
 // column inside the row when it lies past Dk or Dv: nothing is read there, the zero-fill does the
 // work.
-template <typename T, int KMAX, int BV>
+template <typename T, int KMAX, int BV, int THREADS = 128>
 struct rtk_chunk_loader {
   static constexpr int SZ = (int)sizeof(T), E = 16 / SZ;
-  static constexpr int QV = KMAX / E, VV = BV / E;          // 16-byte pieces per q/k row and per v row
-  static constexpr int QROWS = 128 / QV, VROWS = 128 / VV;  // rows one pass of the 128 loader threads covers
+  static constexpr int QV = KMAX / E, VV = BV / E;                  // 16-byte pieces per q/k row and per v row
+  static constexpr int QROWS = THREADS / QV, VROWS = THREADS / VV;  // rows one pass of the loader threads covers
   int st, qcol, qrow, vcol, vrow, qbytes, vbytes;
   const T *qb, *kb, *vb, *q_first, *k_first, *v_first;
   rtk_i64 q_sn, k_sn, v_sn;
@@ -284,6 +292,24 @@ struct rtk_chunk_state {
       s_acc[mt][nt][e] = (init_state != nullptr && real) ? init_state[off] : 0.f;
     });
   }
+  // The state entering segment z = blockIdx.z of the split-sequence strategy from the slots the
+  // states pass (rtk_chunk_states) wrote: slot 0 the initial state, slot 1 the state entering
+  // segment 1, slot j > 1 segment j-1's own state (from zero): s = slot[min(z, 1)], then
+  // s = gamma^seg_len s + slot[j] for j = 2 .. z (as rtk_chunk_seg_scan, in the same order).
+  __device__ __forceinline__ void fold(float (&s_acc)[MT][NT][4], const float* slots, float lgd, rtk_i64 seg_len,
+                                       int bh_count) const {
+    const int z = blockIdx.z;
+    const rtk_i64 slot = (rtk_i64)bh_count * Dk * Dv;
+    load(s_acc, slots + (z < 1 ? 0 : slot));
+    const float carry = expf(lgd * (float)seg_len);
+    #pragma unroll 1
+    for (int j = 2; j <= z; ++j) {
+      const float* sj = slots + j * slot;
+      elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {
+        s_acc[mt][nt][e] = fmaf(carry, s_acc[mt][nt][e], real ? sj[off] : 0.f);
+      });
+    }
+  }
   __device__ __forceinline__ void store(const float (&s_acc)[MT][NT][4], float* final_state) const {
     if (final_state == nullptr) return;
     elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {
@@ -309,8 +335,9 @@ struct rtk_chunk_state {
 // otherwise each output warp uses mma.sync on its 16 rows.
 template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG>
 __global__ void __launch_bounds__(256, MINB)
-rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
+rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
   RTK_FWD_SIZES;
+  const bool states_only = mode == RTK_MODE_STATES;
   typedef rtk_chunk_smem<KMAX, BV, WG> L;
   constexpr int C = L::C, KS = L::KS, VS = L::VS;
   constexpr int NT = BV / 8;          // n-tiles of the value columns
@@ -600,8 +627,9 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
     // ---- state warps: fp32 state in registers, 16-bit copy in shared memory --------------------
     const int sr0 = (warp - 4) * MT * 16;  // first state row of a state warp
     float s_acc[MT][NT][4];
-    const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, state_slot};
-    sf.load(s_acc, init_state);
+    const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, mode == RTK_MODE_FOLD ? 0 : state_slot};
+    if (mode == RTK_MODE_FOLD) sf.fold(s_acc, init_state, log_decay[h], seg_len, gridDim.x);
+    else sf.load(s_acc, init_state);
     auto publish_max = [&](int slot) {  // fp16: before a barrier the output warps also pass
       if (DT != RTK_F16) return;
       float m = 0.f;
@@ -677,7 +705,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int states_only) {
       __syncthreads();  // (B) the output warps are done with the state copy, everyone with this stage
       store_state_copy(chunk & 1);
     }
-    sf.store(s_acc, final_state);
+    if (mode != RTK_MODE_FOLD || blockIdx.z + 1 == gridDim.z) sf.store(s_acc, final_state);
   }
 
 }
@@ -704,6 +732,157 @@ __global__ void rtk_chunk_seg_scan(const float* __restrict__ local, float* __res
     }
     if (final_state != nullptr) final_state[e] = fmaf(expf(lg * (float)last_len), st, local[(nseg - 1) * total + e]);
   }
+}
+
+// The first pass of the split-sequence strategy for 16-bit inputs, as a kernel of its own: the
+// state each segment but the last ends with, local[z] = sum_s gamma^(NS-1-s) k_s^T v_s over the
+// segment's NS tokens (segment 0 from the initial state, the others from zero), formed chunk by
+// chunk as S = gamma^len S + sum_s gamma^(len-1-s) k_s^T v_s exactly as the state warps of
+// rtk_chunk_fwd do (the same operands, weights and mma), into slot z + 1 of final_state; segment
+// 0's CTAs also copy the initial state (zeros without one) to slot 0. The fused pass then starts
+// each segment from these slots (RTK_MODE_FOLD): no scan kernel, and the last segment, whose
+// state nobody needs before the fused pass, is not read twice. Same parameters as rtk_chunk_fwd
+// (q and o are not read).
+//
+// Why not rtk_chunk_fwd with states_only: there half the warps idle, the registers and shared
+// memory are sized for the fused pass, and a value tile narrower than Dv reads k once per tile
+// (from DRAM: the pass is bandwidth-bound). Here every warp computes and loads, and the tile is as
+// wide as the registers allow (BV 128 for KMAX <= 128): warp w owns the 16 MT state rows
+// (w % ROWG) * 16 MT .. for the keys of part w / ROWG of each chunk; with KMAX 64 (ROWG 4) the
+// two parts keep separate accumulators (the recurrence is linear) that are added once at the end
+// through shared memory. STAGES chunks of k and v in flight (cp.async), one barrier per chunk.
+template <int KMAX, int BV, int STAGES>
+struct rtk_chunk_states_smem {
+  static constexpr int C = 64, KS = KMAX + 8, VS = BV + 8;  // rows padded by 16 bytes
+  static constexpr int K = 0, V = C * KS, STAGE = V + C * VS;
+  static constexpr int BYTES = STAGES * STAGE * 2;
+};
+
+template <int DT, int KMAX, int BV, bool VEC, int STAGES>
+__global__ void __launch_bounds__(256, 2)
+rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // grid.z: segments - 1
+  RTK_FWD_SIZES;
+  typedef rtk_chunk_states_smem<KMAX, BV, STAGES> L;
+  constexpr int C = L::C, KS = L::KS, VS = L::VS;
+  constexpr int ROWG = KMAX >= 128 ? 8 : 4, PARTS = 8 / ROWG;  // row groups x key parts = 8 warps
+  constexpr int NT = BV / 8, MT = KMAX / (16 * ROWG), KSTEPS = 4 / PARTS;
+  static_assert(BV % 16 == 0 && KMAX % 64 == 0 && STAGES >= 2, "bad tile");
+  static_assert(PARTS == 1 || L::BYTES >= KMAX * BV * 4, "the parts' exchange reuses the stages");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  rtk_u16* sm = reinterpret_cast<rtk_u16*>(smem_raw);
+
+  RTK_CHUNK_CTA(rtk_u16, 4);
+  (void)out_warp; (void)kt_used; (void)ovec_full;
+  const int part = warp / ROWG, sr0 = (warp % ROWG) * MT * 16;
+
+  typedef rtk_chunk_loader<rtk_u16, KMAX, BV, 256> LD;
+  const LD ld(tid, Dk, dv_here, kb, kb, vb, k_sn, k_sn, v_sn);
+  auto load_chunk = [&](int chunk, int stage) {
+    rtk_u16* sK = sm + stage * L::STAGE + L::K;
+    rtk_u16* sV = sm + stage * L::STAGE + L::V;
+    const int n0 = chunk * C;
+    if (VEC) {
+      ld.template copy<C, KS, VS>(0u, rtk_smem_addr(sK + ld.qrow * KS + ld.qcol),
+                                  rtk_smem_addr(sV + ld.vrow * VS + ld.vcol), n0, NS, false);
+    } else {
+      for (int e = tid; e < C * KMAX; e += 256) {
+        const int r = e / KMAX, col = e - r * KMAX;
+        const rtk_i64 n = (rtk_i64)n0 + r;
+        sK[r * KS + col] = (n < NS && col < Dk) ? kb[n * k_sn + col] : (rtk_u16)0;
+      }
+      for (int e = tid; e < C * BV; e += 256) {
+        const int r = e / BV, col = e - r * BV;
+        const rtk_i64 n = (rtk_i64)n0 + r;
+        sV[r * VS + col] = (n < NS && col < dv_here) ? vb[n * v_sn + col] : (rtk_u16)0;
+      }
+    }
+  };
+
+  // slots of final_state (each [B*H, Dk, Dv]): 0 the initial state (or zeros), 1 + z the state
+  // segment z ends with: for z = 0 from the initial state (the state entering segment 1), else
+  // from zero; rtk_chunk_fwd in RTK_MODE_FOLD combines them (rtk_chunk_state::fold)
+  const rtk_i64 slot = (rtk_i64)gridDim.x * Dk * Dv;
+  const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, state_slot + slot};
+  float s_acc[MT][NT][4];
+  rtk_zero(reinterpret_cast<float (&)[MT * NT][4]>(s_acc));
+  if (blockIdx.z == 0 && part == 0) {
+    const rtk_chunk_state<MT, NT> s0 = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, 0};
+    s0.load(s_acc, init_state);
+    s0.store(s_acc, final_state);
+  }
+  const int nchunks = (NS + C - 1) / C;
+  #pragma unroll
+  for (int c = 0; c < STAGES - 1; ++c) {
+    if (c < nchunks) load_chunk(c, c);
+    rtk_cp_async_commit();
+  }
+  #pragma unroll 1
+  for (int chunk = 0; chunk < nchunks; ++chunk) {
+    rtk_cp_async_wait<STAGES - 2>();
+    __syncthreads();  // chunk visible to all; everyone is done with the stage loaded next
+    if (chunk + STAGES - 1 < nchunks) load_chunk(chunk + STAGES - 1, (chunk + STAGES - 1) % STAGES);
+    rtk_cp_async_commit();
+    const int stage = chunk % STAGES;
+    const int len = min(C, NS - chunk * C);
+    const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
+    const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
+    const float carry = rtk_exp2(lg2 * (float)len);
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) s_acc[mt][nt][e] *= carry;
+    #pragma unroll
+    for (int kh = 0; kh < KSTEPS; ++kh) {
+      const int kk = part * KSTEPS + kh;
+      if (kk * 16 < len) {
+        const int s_a = kk * 16 + 2 * t4, s_b = s_a + 8;
+        const rtk_u32 wa = rtk_pack2<DT>(s_a < len ? rtk_exp2(lg2 * (float)(len - 1 - s_a)) : 0.f,
+                                         s_a + 1 < len ? rtk_exp2(lg2 * (float)(len - 2 - s_a)) : 0.f);
+        const rtk_u32 wb = rtk_pack2<DT>(s_b < len ? rtk_exp2(lg2 * (float)(len - 1 - s_b)) : 0.f,
+                                         s_b + 1 < len ? rtk_exp2(lg2 * (float)(len - 2 - s_b)) : 0.f);
+        rtk_u32 a[MT][4];
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * KS +
+                                                  sr0 + mt * 16 + ((lane >> 3) & 1) * 8));
+          a[mt][0] = rtk_mul2<DT>(a[mt][0], wa);  // k_s * gamma^(len-1-s), s = kk*16 + 2*t4 + {0, 1}
+          a[mt][1] = rtk_mul2<DT>(a[mt][1], wa);
+          a[mt][2] = rtk_mul2<DT>(a[mt][2], wb);  // s + 8
+          a[mt][3] = rtk_mul2<DT>(a[mt][3], wb);
+        }
+        #pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          rtk_u32 bb[4];
+          rtk_ldsm_x4_trans(bb, sV_addr + 2 * ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + np * 16 + (lane >> 4) * 8));
+          #pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            rtk_mma16816<DT>(s_acc[mt][2 * np], a[mt], bb[0], bb[1]);
+            rtk_mma16816<DT>(s_acc[mt][2 * np + 1], a[mt], bb[2], bb[3]);
+          }
+        }
+      }
+    }
+  }
+  if constexpr (PARTS == 2) {
+    // the second part's accumulators through shared memory (the stages are free once every copy
+    // has landed and every warp is past its last chunk); element i of a thread at [i][row group][lane]
+    rtk_cp_async_wait<0>();
+    __syncthreads();
+    float* ex = reinterpret_cast<float*>(smem_raw);
+    constexpr int NE = MT * NT * 4;
+    float (&flat)[NE] = reinterpret_cast<float (&)[NE]>(s_acc);
+    if (part == 1) {
+      #pragma unroll
+      for (int i = 0; i < NE; ++i) ex[(i * ROWG + warp % ROWG) * 32 + lane] = flat[i];
+    }
+    __syncthreads();
+    if (part == 1) return;
+    #pragma unroll
+    for (int i = 0; i < NE; ++i) flat[i] += ex[(i * ROWG + warp) * 32 + lane];
+  }
+  sf.store(s_acc, final_state);
 }
 
 // =================================================================================================

@@ -5,6 +5,7 @@ The shared tests of test_gpu_methods.py run once per kernel variant here."""
 import pytest
 import torch
 
+import rtkernels
 import test_gpu_methods as base
 from rtkernels.methods import chunk
 
@@ -52,3 +53,27 @@ def test_nan_reaches_only_its_rows(variant, where, row):
 def test_deterministic_and_strided(variant):
     base.test_kernel_is_deterministic_and_agrees_with_torch_path("chunk")
     base.test_kernel_strided_inputs_and_nondefault_stream("chunk", torch.float16)
+
+
+@pytest.mark.parametrize("dedicated", [True, False])
+@pytest.mark.parametrize("shape", [(1, 2, 700, 256, 200), (1, 2, 1000, 40, 72), (2, 1, 4096, 128, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_states_pass_dedicated_or_fused(shape, dedicated, monkeypatch):
+    """The split strategy's states-only pass: the dedicated kernel rtk_chunk_states (16-bit
+    default) and the fused kernel's states-only mode give the fp64 answer, Dk up to 256 included."""
+    monkeypatch.setattr(chunk, "dedicated_states", dedicated)
+    base.test_chunk_split_sequence_strategy(shape, torch.bfloat16, 3, monkeypatch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_states_pass_unaligned(dtype, monkeypatch):
+    """Operands that start off 16 bytes take the scalar loaders (VEC false) of both passes."""
+    monkeypatch.setattr(chunk, "force_segments", 4)
+    b, h, n, d = 1, 2, 1500, 64
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v = (torch.randn(b, h, n, d + 1, device="cuda", generator=g).to(dtype)[..., 1:] for _ in range(3))
+    decay = torch.tensor([0.999, 0.9], dtype=torch.float64)
+    out, state = rtkernels.causal_linear_attention(q, k, v, decay, method="chunk", return_state=True)
+    ref, ref_state = base.reference(q, k, v, decay)
+    base.assert_close(out, ref, dtype, "unaligned split", n=n)
+    base.assert_close(state, ref_state, dtype, "unaligned split state")

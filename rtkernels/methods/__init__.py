@@ -100,8 +100,8 @@ def auto_method(q: torch.Tensor, v: torch.Tensor) -> str:
 def plan_epoch() -> tuple:
     """Changes whenever a planned kernel call may no longer be the one a new plan would make: the
     autotune store's answers and the candidate it forces (:func:`rtkernels.autotune.plan_state`) and
-    the chunk overrides."""
-    return (plan_state(), chunk.force_segments, chunk.force_wgmma, chunk.force_bv)
+    the chunk overrides (``force_*``, ``dedicated_states``)."""
+    return (plan_state(), chunk.force_segments, chunk.force_wgmma, chunk.force_bv, chunk.dedicated_states)
 
 
 def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",

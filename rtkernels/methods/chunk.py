@@ -98,8 +98,31 @@ def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, ctas: int = 0
     return dtype_code(dtype), kmax, bv, vec, 1 if ctas <= sms else 2, False
 
 
-#: Kernels of chunk.cu that take no template arguments.
-EXTRA_KERNELS = ("rtk_chunk_seg_scan",)
+def states_smem_bytes(kmax: int, bv: int, stages: int) -> int:
+    """Dynamic shared memory of ``rtk_chunk_states`` (mirrors rtk_chunk_states_smem in chunk.cu)."""
+    return 2 * stages * CHUNK_KERNEL * ((kmax + 8) + (bv + 8))
+
+
+def states_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, smem_limit: int) -> tuple:
+    """Template arguments (DT, KMAX, BV, VEC, STAGES) of ``rtk_chunk_states``, the states-only
+    pass of the split-sequence strategy for 16-bit inputs: BV 128 where KMAX <= 128 (k read once
+    for up to 128 value columns: the pass is bandwidth-bound), else 64 (registers); 4 chunk stages
+    where they fit ``smem_limit`` bytes, else 2 (few instances to compile)."""
+    kmax = _kmax(dk)
+    bv = 128 if kmax <= 128 else 64
+    stages = 4 if states_smem_bytes(kmax, bv, 4) <= smem_limit else 2
+    return dtype_code(dtype), kmax, bv, vec, stages
+
+
+def states_name(config: tuple) -> str:
+    return "rtk_chunk_states<" + ", ".join(str(c).lower() for c in config) + ">"
+
+
+def _states_configs() -> set[tuple]:
+    return {states_config(dt, dk, 128, vec, limit) for dt in (torch.float16, torch.bfloat16)
+            for dk in (64, 128, 256) for vec in (False, True) for limit in (SMEM_LIMIT_SM90, *SMEM_LIMITS_OTHER)}
+
+
 
 
 def all_configs() -> list[tuple]:
@@ -148,6 +171,9 @@ def config_smem(config: tuple) -> int:
 SMEM_LIMIT_SM90 = 227 * 1024
 #: The same for sm_80 / sm_87 (A100, Orin) and for sm_86 / sm_89 / sm_120 (consumer GPUs, L40S).
 SMEM_LIMITS_OTHER = (163 * 1024, 99 * 1024)
+
+#: Kernels of chunk.cu that take no template arguments, and the states-only kernel's instances.
+EXTRA_KERNELS = ("rtk_chunk_seg_scan", *sorted(states_name(c) for c in _states_configs()))
 
 
 def f32_stages(kmax: int, bv: int, smem_limit: int) -> Optional[int]:
@@ -236,6 +262,14 @@ WGMMA_OPTIONS = ("-arch=sm_90a",)
 force_segments: Optional[int] = None
 force_wgmma: Optional[bool] = None
 force_bv: Optional[int] = None
+#: The split-sequence strategy for 16-bit inputs: the dedicated states kernel ``rtk_chunk_states``
+#: and a fused pass that folds its slots into each segment's entering state (True, two launches),
+#: or the fused kernel's states-only mode, ``rtk_chunk_seg_scan`` and the fused pass (False: for
+#: tests and measurements; float32 inputs always take the latter).
+dedicated_states: bool = True
+
+#: The last argument of ``rtk_chunk_fwd`` / ``rtk_chunk_fwd_f32`` (RTK_MODE_* in chunk.cu).
+MODE_FUSED, MODE_STATES, MODE_FOLD = 0, 1, 2
 
 
 def _overrides() -> tuple:
@@ -405,15 +439,23 @@ class ChunkLaunch:
         self.nseg = nseg = -(-n // seg_len)
         fn = get_function(SOURCE, name, dev, extra_options=opts, dynamic_smem=smem)
         grid, block, tail = (bh, -(-dv // bv), nseg), (threads, 1, 1), fwd_tail(q, k, v, out, scale, reverse)
+        # the split strategy with the dedicated states kernel: its slots, then the fused pass folding them
+        fold = nseg > 1 and q.dtype != torch.float32 and dedicated_states
         # head: q, k, v, out, log-decay, initial state, final state pointers
-        self.fused = fn.bind(grid, block, smem, dev, 7, (*tail, seg_len, 0))
+        self.fused = fn.bind(grid, block, smem, dev, 7, (*tail, seg_len, MODE_FOLD if fold else MODE_FUSED))
         self.device = q.device
         self.lg = log_decay.tensor(torch.float32)  # kept: the kernel reads it through a raw pointer
         self.lg_ptr = self.lg.data_ptr()
         self.need_state = need_state
         self.state_shape = (b, h, dk, dv)
-        if nseg > 1:
-            self.states = fn.bind(grid, block, smem, dev, 7, (*tail, seg_len, 1))
+        self.scan = None
+        if fold:
+            sc = states_config(q.dtype, dk, dv, vec, _smem_limit(dev))
+            ssmem = states_smem_bytes(sc[1], sc[2], sc[4])
+            sfn = get_function(SOURCE, states_name(sc), dev, dynamic_smem=ssmem)
+            self.states = sfn.bind((bh, -(-dv // sc[2]), nseg - 1), block, ssmem, dev, 7, (*tail, seg_len, 0))
+        elif nseg > 1:  # the fused kernel's states-only mode and the scan kernel
+            self.states = fn.bind(grid, block, smem, dev, 7, (*tail, seg_len, MODE_STATES))
             total = bh * dk * dv
             # head: segment states, entering states, initial state, final state, log-decay pointers
             self.scan = get_function(SOURCE, "rtk_chunk_seg_scan", dev).bind(
@@ -435,9 +477,16 @@ class ChunkLaunch:
         if self.nseg == 1:
             self.fused(qp, kp, vp, op, self.lg_ptr, s0p, fp)
             return final
+        local = torch.empty((self.nseg, *self.state_shape), dtype=torch.float32, device=self.device)
+        if self.scan is None:
+            # split sequence, rtk_chunk_states: the initial state and the state each segment but the
+            # last ends with in the slots of ``local``; the fused pass folds them into each
+            # segment's entering state, and its last segment stores the final state
+            self.states(qp, kp, vp, op, self.lg_ptr, s0p, local.data_ptr())
+            self.fused(qp, kp, vp, op, self.lg_ptr, local.data_ptr(), fp)
+            return final
         # split sequence: each segment's own state (no initial state), the scan over the segments'
         # states, then the fused pass of each segment from its entering state
-        local = torch.empty((self.nseg, *self.state_shape), dtype=torch.float32, device=self.device)
         s_in = torch.empty_like(local)
         self.states(qp, kp, vp, op, self.lg_ptr, 0, local.data_ptr())
         self.scan(local.data_ptr(), s_in.data_ptr(), s0p, fp, self.lg_ptr)
