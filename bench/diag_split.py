@@ -57,6 +57,17 @@ for dedicated in (True, False):
           f"fused {loop(p3):.1f} us | api flushed {ev(api):.1f} us, back-to-back {loop(api):.1f} us, err {err:.1e}",
           flush=True)
 chunk.dedicated_states = True
+default_config = chunk.states_config
+for sbv, stages in ((128, 4), (128, 3), (64, 3), (64, 4), (64, 2)):
+    chunk.states_config = lambda dt, dk, dv, vec, lim: (*default_config(dt, dk, dv, vec, lim)[:2], sbv, vec, stages)
+    rtkernels.api._fast.clear()  # planned calls hold the previous states kernel
+    out = torch.empty_like(v)
+    cl = chunk.ChunkLaunch(q, k, v, ld, 1.0, out, False)
+    local = torch.empty((cl.nseg, B, H, D, D), dtype=torch.float32, device="cuda")
+    p1 = lambda: cl.states(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), cl.lg_ptr, 0, local.data_ptr())
+    err = ((api().float() - ref).norm() / ref.norm()).item()
+    print(f"  states kernel bv{sbv} stages{stages}: {loop(p1):.1f} us, api flushed {ev(api):.1f} us, err {err:.1e}", flush=True)
+chunk.states_config = default_config
 for bvf, sf in ((128, 2), (128, 3), (128, 4), (128, 6), (64, 4), (64, 8)):
     chunk.force_bv, chunk.force_segments = bvf, sf
     print(f"  bv{bvf} seg{sf}: flushed {ev(api):.1f} us, back-to-back {loop(api):.1f} us", flush=True)

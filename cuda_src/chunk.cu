@@ -745,12 +745,12 @@ __global__ void rtk_chunk_seg_scan(const float* __restrict__ local, float* __res
 // (q and o are not read).
 //
 // Why not rtk_chunk_fwd with states_only: there half the warps idle, the registers and shared
-// memory are sized for the fused pass, and a value tile narrower than Dv reads k once per tile
-// (from DRAM: the pass is bandwidth-bound). Here every warp computes and loads, and the tile is as
-// wide as the registers allow (BV 128 for KMAX <= 128): warp w owns the 16 MT state rows
-// (w % ROWG) * 16 MT .. for the keys of part w / ROWG of each chunk; with KMAX 64 (ROWG 4) the
-// two parts keep separate accumulators (the recurrence is linear) that are added once at the end
-// through shared memory. STAGES chunks of k and v in flight (cp.async), one barrier per chunk.
+// memory are sized for the fused pass, and a value tile narrower than Dv reads k once per tile.
+// Here every warp computes and all threads load, the tile is as wide as the registers allow (BV
+// 128 for KMAX <= 128), and the eight warps tile the KMAX x BV state 4 x 2: warp w owns the 16 MT
+// rows (w % 4) * 16 MT .. and the BV / 2 columns (w / 4) * BV / 2 .., for every key of each chunk
+// (large warp tiles: fewer shared-memory fragment loads per mma). STAGES chunks of k and v in
+// flight (cp.async), one barrier per chunk.
 template <int KMAX, int BV, int STAGES>
 struct rtk_chunk_states_smem {
   static constexpr int C = 64, KS = KMAX + 8, VS = BV + 8;  // rows padded by 16 bytes
@@ -764,16 +764,14 @@ rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // gri
   RTK_FWD_SIZES;
   typedef rtk_chunk_states_smem<KMAX, BV, STAGES> L;
   constexpr int C = L::C, KS = L::KS, VS = L::VS;
-  constexpr int ROWG = KMAX >= 128 ? 8 : 4, PARTS = 8 / ROWG;  // row groups x key parts = 8 warps
-  constexpr int NT = BV / 8, MT = KMAX / (16 * ROWG), KSTEPS = 4 / PARTS;
-  static_assert(BV % 16 == 0 && KMAX % 64 == 0 && STAGES >= 2, "bad tile");
-  static_assert(PARTS == 1 || L::BYTES >= KMAX * BV * 4, "the parts' exchange reuses the stages");
+  constexpr int NT = BV / 16, MT = KMAX / 64;  // a warp's n-tiles (8 columns) and m-tiles (16 rows)
+  static_assert(BV % 32 == 0 && KMAX % 64 == 0 && STAGES >= 2, "bad tile");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   rtk_u16* sm = reinterpret_cast<rtk_u16*>(smem_raw);
 
   RTK_CHUNK_CTA(rtk_u16, 4);
   (void)out_warp; (void)kt_used; (void)ovec_full;
-  const int part = warp / ROWG, sr0 = (warp % ROWG) * MT * 16;
+  const int sr0 = (warp & 3) * MT * 16, c0 = (warp >> 2) * (BV / 2);  // the warp's rows and columns
 
   typedef rtk_chunk_loader<rtk_u16, KMAX, BV, 256> LD;
   const LD ld(tid, Dk, dv_here, kb, kb, vb, k_sn, k_sn, v_sn);
@@ -802,11 +800,11 @@ rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // gri
   // segment z ends with: for z = 0 from the initial state (the state entering segment 1), else
   // from zero; rtk_chunk_fwd in RTK_MODE_FOLD combines them (rtk_chunk_state::fold)
   const rtk_i64 slot = (rtk_i64)gridDim.x * Dk * Dv;
-  const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, state_slot + slot};
+  const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, state_slot + slot};
   float s_acc[MT][NT][4];
   rtk_zero(reinterpret_cast<float (&)[MT * NT][4]>(s_acc));
-  if (blockIdx.z == 0 && part == 0) {
-    const rtk_chunk_state<MT, NT> s0 = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, 0};
+  if (blockIdx.z == 0) {
+    const rtk_chunk_state<MT, NT> s0 = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, 0};
     s0.load(s_acc, init_state);
     s0.store(s_acc, final_state);
   }
@@ -834,53 +832,40 @@ rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // gri
         #pragma unroll
         for (int e = 0; e < 4; ++e) s_acc[mt][nt][e] *= carry;
     #pragma unroll
-    for (int kh = 0; kh < KSTEPS; ++kh) {
-      const int kk = part * KSTEPS + kh;
+    for (int kk = 0; kk < 4; ++kk) {
       if (kk * 16 < len) {
         const int s_a = kk * 16 + 2 * t4, s_b = s_a + 8;
         const rtk_u32 wa = rtk_pack2<DT>(s_a < len ? rtk_exp2(lg2 * (float)(len - 1 - s_a)) : 0.f,
                                          s_a + 1 < len ? rtk_exp2(lg2 * (float)(len - 2 - s_a)) : 0.f);
         const rtk_u32 wb = rtk_pack2<DT>(s_b < len ? rtk_exp2(lg2 * (float)(len - 1 - s_b)) : 0.f,
                                          s_b + 1 < len ? rtk_exp2(lg2 * (float)(len - 2 - s_b)) : 0.f);
-        rtk_u32 a[MT][4];
+        // every fragment of the k-step first, then the mma: the ldmatrix and mma asm statements
+        // are volatile (kept in order), so interleaving them would expose each load's latency
+        rtk_u32 a[MT][4], bb[NT / 2][4];
         #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
+        for (int mt = 0; mt < MT; ++mt)
           rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * KS +
                                                   sr0 + mt * 16 + ((lane >> 3) & 1) * 8));
+        #pragma unroll
+        for (int np = 0; np < NT / 2; ++np)
+          rtk_ldsm_x4_trans(bb[np], sV_addr + 2 * ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + c0 +
+                                                   np * 16 + (lane >> 4) * 8));
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
           a[mt][0] = rtk_mul2<DT>(a[mt][0], wa);  // k_s * gamma^(len-1-s), s = kk*16 + 2*t4 + {0, 1}
           a[mt][1] = rtk_mul2<DT>(a[mt][1], wa);
           a[mt][2] = rtk_mul2<DT>(a[mt][2], wb);  // s + 8
           a[mt][3] = rtk_mul2<DT>(a[mt][3], wb);
         }
         #pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-          rtk_u32 bb[4];
-          rtk_ldsm_x4_trans(bb, sV_addr + 2 * ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + np * 16 + (lane >> 4) * 8));
+        for (int np = 0; np < NT / 2; ++np)
           #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
-            rtk_mma16816<DT>(s_acc[mt][2 * np], a[mt], bb[0], bb[1]);
-            rtk_mma16816<DT>(s_acc[mt][2 * np + 1], a[mt], bb[2], bb[3]);
+            rtk_mma16816<DT>(s_acc[mt][2 * np], a[mt], bb[np][0], bb[np][1]);
+            rtk_mma16816<DT>(s_acc[mt][2 * np + 1], a[mt], bb[np][2], bb[np][3]);
           }
-        }
       }
     }
-  }
-  if constexpr (PARTS == 2) {
-    // the second part's accumulators through shared memory (the stages are free once every copy
-    // has landed and every warp is past its last chunk); element i of a thread at [i][row group][lane]
-    rtk_cp_async_wait<0>();
-    __syncthreads();
-    float* ex = reinterpret_cast<float*>(smem_raw);
-    constexpr int NE = MT * NT * 4;
-    float (&flat)[NE] = reinterpret_cast<float (&)[NE]>(s_acc);
-    if (part == 1) {
-      #pragma unroll
-      for (int i = 0; i < NE; ++i) ex[(i * ROWG + warp % ROWG) * 32 + lane] = flat[i];
-    }
-    __syncthreads();
-    if (part == 1) return;
-    #pragma unroll
-    for (int i = 0; i < NE; ++i) flat[i] += ex[(i * ROWG + warp) * 32 + lane];
   }
   sf.store(s_acc, final_state);
 }
