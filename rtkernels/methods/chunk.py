@@ -13,7 +13,10 @@ On a CUDA device, fp16 and bf16 inputs with Dk, Dv <= 256 run ``chunk.cu``: one 
 tensor cores (mma.sync m16n8k16, fp32 accumulation, fp32 state in registers), one CTA per
 (batch, head, tile of value columns) walking chunks of 64 tokens, the next chunk loaded with
 cp.async while the current one is computed; four warps compute the outputs while four others
-update the state. Memory beyond inputs and output: none.
+update the state. Memory beyond inputs and output: none, except with few (batch, head, value-tile)
+CTAs: then the sequence is split into segments, ``rtk_chunk_states`` (a states-only kernel)
+writes the state each segment but the last ends with (``[segments, B*H, Dk, Dv]`` fp32), and the
+fused pass folds them into each segment's entering state.
 
 fp32 inputs run ``rtk_chunk_fwd_f32`` in the same file: the same algorithm and warp roles on TF32
 tensor cores (mma.sync m16n8k8, fp32 tiles in shared memory). ``fp32_precision="exact"`` splits
@@ -412,8 +415,8 @@ class ChunkLaunch:
 
     ``launch(q, k, v, out, initial_state)`` takes the tensors (any views of the planned ones' memory
     layout: only ``data_ptr()`` is read) and returns the final state when it was planned, else None.
-    The split-sequence strategy allocates its two ``[segments, B*H, Dk, Dv]`` fp32 state buffers per
-    call.
+    The split-sequence strategy allocates its ``[segments, B*H, Dk, Dv]`` fp32 state buffer per call
+    (two with the fused kernel's states-only mode: fp32 inputs, or ``dedicated_states`` False).
     """
 
     __slots__ = ("fused", "states", "scan", "device", "lg", "lg_ptr", "nseg", "state_shape", "need_state",
@@ -506,8 +509,9 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool, fp32_precision: str = "exact", *, reverse: bool = False) -> Optional[torch.Tensor]:
     """One fused pass, or with few (batch, head, value-tile) CTAs the split-sequence strategy:
-    a states-only pass per segment, a scan over the segment states, and the fused pass per segment
-    starting from its state. ``fp32_precision`` ("exact" or "tf32") selects the float32 kernel's
+    a states-only pass (``rtk_chunk_states`` for 16-bit inputs, which skips the last segment; the
+    fused kernel's states-only mode plus a scan kernel for fp32), then the fused pass per segment
+    starting from its entering state. ``fp32_precision`` ("exact" or "tf32") selects the float32 kernel's
     mode; 16-bit inputs ignore it.
 
     ``reverse``: the operator on the reversed sequence (token N-1 first), its output written back
