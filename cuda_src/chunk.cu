@@ -872,16 +872,18 @@ rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // gri
 
 // =================================================================================================
 // rtk_chunk_fwd_f32: fp32 inputs on TF32 tensor cores (mma.sync m16n8k8), same algorithm, same
-// warp roles, same barriers and the same parameters as rtk_chunk_fwd (so the launch code, the
-// split-sequence strategy and rtk_chunk_seg_scan serve both). The pieces that do not depend on
-// the element type or the mma shape are shared with rtk_chunk_fwd (RTK_CHUNK_CTA, the loader, the
-// decay factors, the NaN marking, the output stores, the state's load and store; see above); like
-// it, the states-only pass loads no q.
+// warp roles, same barriers (A) and (B) and the same parameters as rtk_chunk_fwd (so the launch
+// code, the split-sequence strategy and rtk_chunk_seg_scan serve both). The parts that do not
+// depend on the element type or the mma shape are shared with rtk_chunk_fwd (RTK_CHUNK_CTA, the
+// loader, the decay factors, the output stores, the state's load and store; see above); like it,
+// the states-only pass loads no q.
 //
 // EXACT (3xTF32): every mma operand x -- q, k, v, the decayed scores P, the state copy and
-// k_s * gamma^(len-1-s) -- is split as x = hi + lo (rtk_split_tf32) and each product is formed as
-// lo*hi' + hi*lo' + hi*hi' with fp32 accumulation: about fp32 accuracy. Without EXACT: one TF32
-// mma per product (operands rounded to 10 mantissa bits): about 1e-3 relative error.
+// k_s * gamma^(len-1-s) -- is split as x = hi + lo (rtk_split_tf32: hi is x rounded to tf32 with
+// two integer instructions, lo = x - hi, exact, goes to the mma as raw fp32 bits) and each product
+// is formed as lo*hi' + hi*lo' + hi*hi' with fp32 accumulation: about fp32 accuracy. Without
+// EXACT: one TF32 mma per product (operands rounded to 10 mantissa bits by cvt.rna): about 1e-3
+// relative error.
 //
 // Differences from the 16-bit kernel:
 // - Tiles stay fp32 in shared memory (cp.async copies 4 floats per 16 bytes); fragments are read
@@ -898,7 +900,41 @@ rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // gri
 // - STAGES = 1 (KMAX = 256: two stages of fp32 q/k tiles do not fit in shared memory): the next
 //   chunk is loaded after barrier (B) and waited for before (A), without overlap.
 // - NaN in v: as in the 16-bit kernel, zeroed in the P V operand and put back as NaN in the
-//   outputs the causal sum reaches. Without VEC the loader threads check the values they store.
+//   outputs the causal sum reaches (a one-pass version of rtk_chunk_mark_nonfinite, run by every
+//   output warp whenever the chunk's v holds one). Without VEC the loader threads check the
+//   values they store.
+// - The state warps take part of q S (the "pieces", below), so that the output warps, whose work
+//   grows with their rows, no longer hold everyone up at (B). Each output warp runs its own
+//   compiled copy of the output loop (W = its index, a template constant), so its loops over key
+//   tiles and n-tiles have fixed bounds.
+//
+// q S pieces. Per chunk, output warp w does q S for its 16 rows (KMAX/8 k-steps x NT n-tiles of
+// m16n8k8 mma), then the scores of its rows against keys 0 .. 16w+15 and P V over those keys; for
+// KMAX = 128, BV = 64 that is 128 + 48 (w + 1) mma (x3 with EXACT): 176, 224, 272, 320, against 128
+// for a state warp. So q S is cut into pieces of 16 rows x BV/2 columns -- row block rb (the rows
+// of output warp rb) and half hf (n-tiles hf NT/2 .. hf NT/2 + NT/2 - 1) -- and the state warps
+// compute 4 of the 8:
+//
+//   row block 0: both halves by output warp 0
+//   row block 1: half 0 by output warp 1, half 1 by state warp 4 (slot 0)
+//   row block 2: half 0 by output warp 2, half 1 by state warp 5 (slot 1)
+//   row block 3: half 0 by state warp 6 (slot 2), half 1 by state warp 7 (slot 3)
+//
+// Each piece is computed exactly once, for every tile (BV 32 or 64, KMAX 64, 128 or 256); with
+// KMAX = 128, BV = 64 the output warps do 176, 160, 208, 192 mma per chunk and the state warps 192.
+// Protocol: a state warp computes its piece right after barrier (A), from the chunk's q tile and
+// the state copy -- still the state entering the chunk, as the state warps rewrite the copy only
+// after (B) --, stores the raw fp32 sums (no decay factor) in its slot of the piece buffer, in
+// accumulator-fragment order ([slot][n-tile][lane], 4 floats: every lane reads back exactly the
+// elements it needs, conflict-free), arrives at named barrier 1 (bar.arrive: it does not wait) and
+// goes on with the state update. Output warps 1..3 wait at barrier 1 (bar.sync) once their own mma
+// work is done and add their pieces to the outputs with the factors q S gets: gamma^(r0+1), then
+// the row factor gamma^(t-r0) * scale. Barrier 1 counts 224 threads, the 4 state warps and output
+// warps 1..3 (output warp 0 takes no piece and never uses it); each of these passes it once per
+// chunk of a pass with outputs and never in the states-only pass (both sides skip it there).
+// Reuse: the pieces of chunk c+1 are written after (A) of chunk c+1, which no thread passes before
+// every output warp has read the pieces of chunk c (before its (B) of chunk c); and a phase of
+// barrier 1 completes before (B) of its chunk, so the arrivals of two chunks never mix.
 // =================================================================================================
 
 template <int KMAX, int BV, int STAGES>
@@ -910,9 +946,17 @@ struct rtk_chunk_f32_smem {
   static constexpr int Q = 0, K = Q + C * KS, V = K + C * KS;
   static constexpr int STAGE = V + C * VS;
   static constexpr int S = STAGES * STAGE;  // the state copy, KMAX x SS
-  static constexpr int ELEMS = S + KMAX * SS;
+  static constexpr int P = S + KMAX * SS;   // the 4 q S pieces of the state warps (16-byte aligned)
+  static constexpr int PIECE = 8 * BV;      // floats of one piece: 16 rows x BV/2 columns
+  static constexpr int ELEMS = P + 4 * PIECE;
   static constexpr int BYTES = ELEMS * 4;
 };
+
+// Named barrier 1 of rtk_chunk_fwd_f32 (the q S pieces, see above): 224 threads, the 4 state warps
+// arrive, output warps 1..3 wait. Both order this thread's earlier shared-memory accesses before
+// the barrier completes (the "memory" clobbers keep the compiler from moving them across).
+__device__ __forceinline__ void rtk_f32_pieces_arrive() { asm volatile("bar.arrive 1, 224;" ::: "memory"); }
+__device__ __forceinline__ void rtk_f32_pieces_wait() { asm volatile("bar.sync 1, 224;" ::: "memory"); }
 
 template <int KMAX, int BV, int STAGES, bool EXACT, bool VEC, int MINB>
 __global__ void __launch_bounds__(256, MINB)
@@ -921,13 +965,16 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
   typedef rtk_chunk_f32_smem<KMAX, BV, STAGES> L;
   constexpr int C = L::C, KS = L::KS, VS = L::VS, SS = L::SS;
   constexpr int NT = BV / 8;     // 8-wide n-tiles of the value columns
+  constexpr int HT = NT / 2;     // n-tiles of a q S piece
   constexpr int MT = KMAX / 64;  // 16-row m-tiles of state rows per state warp (KMAX / 4 rows)
   static_assert(BV % 16 == 0 && KMAX % 64 == 0 && (STAGES == 1 || STAGES == 2), "bad tile");
   static_assert(KS % 32 == 4 && VS % 32 == 4 && SS % 32 == 8, "padding: see the bank notes");
+  static_assert(L::P % 4 == 0 && L::PIECE == HT * 32 * 4, "piece buffer: float4 per lane and n-tile");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* const sm = reinterpret_cast<float*>(smem_raw);
   float* const sS = sm + L::S;
+  float4* const sP = reinterpret_cast<float4*>(sm + L::P);  // pieces: [slot][n-tile][lane], 4 floats
 
   RTK_CHUNK_CTA(float, 3);  // k-steps of 8 columns
   const float lgd = log_decay[h];  // log(gamma)
@@ -1007,120 +1054,155 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
   };
 
   if (out_warp) {
-    // ---- output warps: rows r0 .. r0+15 of each chunk ------------------------------------------
-    const int w = warp, r0 = 16 * warp;
-    const rtk_chunk_decay dec(lg2, scale, g, t4, r0);  // as in rtk_chunk_fwd
     __syncthreads();  // (matches the state warps' start barrier: the first state copy)
+    // ---- output warp W: rows r0 = 16 W .. r0+15 of each chunk. Called with constant W below, once
+    // per warp: inlined, each call is compiled with fixed loop bounds (the p[] and o_acc[] indices
+    // must be compile-time values so that they stay in registers).
+    auto out_loop = [&](const int W) {
+      const int r0 = 16 * W;
+      // n-tiles 0 .. OWN-1 of this warp's q S are computed here, the rest come as pieces
+      const int OWN = W == 0 ? NT : (W == 3 ? 0 : HT);
+      const rtk_chunk_decay dec(lg2, scale, g, t4, r0);  // as in rtk_chunk_fwd
 
-    for (int chunk = 0; chunk < nchunks; ++chunk) {
-      const bool v_bad = begin_chunk(chunk);
-      const int stage = STAGES == 2 ? (chunk & 1) : 0;
-      const int n0 = chunk * C;
-      const int len = min(C, NS - n0);
-      const float* sQ = sm + stage * L::STAGE + L::Q;
-      const float* sK = sm + stage * L::STAGE + L::K;
-      const float* sV = sm + stage * L::STAGE + L::V;
-      if (states_only) {  // first pass of the split-sequence strategy: no outputs
-        __syncthreads();
-        continue;
-      }
-      float o_acc[NT][4];
-      float p[8][4];  // scores of the 16 rows against key tiles 0 .. 2w+1 (8 keys each)
-      rtk_zero(o_acc);
-      rtk_zero(p);
+      for (int chunk = 0; chunk < nchunks; ++chunk) {
+        const bool v_bad = begin_chunk(chunk);
+        const int stage = STAGES == 2 ? (chunk & 1) : 0;
+        const int n0 = chunk * C;
+        const int len = min(C, NS - n0);
+        const float* sQ = sm + stage * L::STAGE + L::Q;
+        const float* sK = sm + stage * L::STAGE + L::K;
+        const float* sV = sm + stage * L::STAGE + L::V;
+        if (states_only) {  // first pass of the split-sequence strategy: no outputs, no pieces
+          __syncthreads();
+          continue;
+        }
+        float o_acc[NT][4];
+        float p[8][4];  // scores of the 16 rows against key tiles 0 .. 2W+1 (8 keys each)
+        rtk_zero(o_acc);
+        rtk_zero(p);
 
-      // q_t S and q_t . k_s over 8-wide k-steps d0 = 8 kq, sharing the q fragments.
-      #pragma unroll 1
-      for (int kq = 0; kq < kt_used; ++kq) {
-        // A = q rows r0 + g (+8), columns d0 + t4 (+4): bank 4 g + t4 (+const), conflict-free
-        rtk_u32 ah[4], al[4];
-        {
-          const float* qa = sQ + (r0 + g) * KS + kq * 8 + t4;
-          rtk_split_tf32<EXACT>(qa[0], ah[0], al[0]);
-          rtk_split_tf32<EXACT>(qa[8 * KS], ah[1], al[1]);
-          rtk_split_tf32<EXACT>(qa[4], ah[2], al[2]);
-          rtk_split_tf32<EXACT>(qa[8 * KS + 4], ah[3], al[3]);
-        }
-        // B = state copy rows d0 + t4 (+4), column nt*8 + g: bank 8 t4 + g, conflict-free
-        const float* sb = sS + (kq * 8 + t4) * SS + g;
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          rtk_u32 bh0, bl0, bh1, bl1;
-          rtk_split_tf32<EXACT>(sb[nt * 8], bh0, bl0);
-          rtk_split_tf32<EXACT>(sb[4 * SS + nt * 8], bh1, bl1);
-          rtk_mma1688_x3<EXACT>(o_acc[nt], ah, al, bh0, bh1, bl0, bl1);
-        }
-        // B = k^T: (k = column d0 + t4 (+4), n = key 8 j + g) = k row 8 j + g: bank 4 g + t4
-        const float* kt = sK + g * KS + kq * 8 + t4;
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (j <= 2 * w + 1) {
+        // q_t S (n-tiles < OWN) and q_t . k_s over 8-wide k-steps d0 = 8 kq, sharing the q fragments.
+        #pragma unroll 1
+        for (int kq = 0; kq < kt_used; ++kq) {
+          // A = q rows r0 + g (+8), columns d0 + t4 (+4): bank 4 g + t4 (+const), conflict-free
+          rtk_u32 ah[4], al[4];
+          {
+            const float* qa = sQ + (r0 + g) * KS + kq * 8 + t4;
+            rtk_split_tf32<EXACT>(qa[0], ah[0], al[0]);
+            rtk_split_tf32<EXACT>(qa[8 * KS], ah[1], al[1]);
+            rtk_split_tf32<EXACT>(qa[4], ah[2], al[2]);
+            rtk_split_tf32<EXACT>(qa[8 * KS + 4], ah[3], al[3]);
+          }
+          // B = state copy rows d0 + t4 (+4), column nt*8 + g: bank 8 t4 + g, conflict-free
+          const float* sb = sS + (kq * 8 + t4) * SS + g;
+          #pragma unroll
+          for (int nt = 0; nt < OWN; ++nt) {
+            rtk_u32 bh0, bl0, bh1, bl1;
+            rtk_split_tf32<EXACT>(sb[nt * 8], bh0, bl0);
+            rtk_split_tf32<EXACT>(sb[4 * SS + nt * 8], bh1, bl1);
+            rtk_mma1688_x3<EXACT>(o_acc[nt], ah, al, bh0, bh1, bl0, bl1);
+          }
+          // B = k^T: (k = column d0 + t4 (+4), n = key 8 j + g) = k row 8 j + g: bank 4 g + t4
+          const float* kt = sK + g * KS + kq * 8 + t4;
+          #pragma unroll
+          for (int j = 0; j < 2 * W + 2; ++j) {
             rtk_u32 bh0, bl0, bh1, bl1;
             rtk_split_tf32<EXACT>(kt[j * 8 * KS], bh0, bl0);
             rtk_split_tf32<EXACT>(kt[j * 8 * KS + 4], bh1, bl1);
             rtk_mma1688_x3<EXACT>(p[j], ah, al, bh0, bh1, bl0, bl1);
           }
         }
-      }
 
-      // gamma^(r0+1) q_t S; the keys left of the diagonal block get gamma^(r0-s)
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
+        // gamma^(r0+1) q_t S (the n-tiles of the pieces are still zero); the keys left of the
+        // diagonal block get gamma^(r0-s)
         #pragma unroll
-        for (int e = 0; e < 4; ++e) o_acc[nt][e] *= dec.inter0;
-      dec.scale_left(p, w);
-      bool saw_bad = false;
-      // o_acc += P[:, 8 kk ..] V[8 kk .., :] (kk a compile-time value). The score accumulator's
-      // columns are 2 t4 (+1), the A operand's t4 (+4): since the k index is summed, A column t4
-      // is taken as key 2 t4 and A column t4 + 4 as key 2 t4 + 1, so A = {c0, c2, c1, c3}, and the
-      // B rows follow: b0 = v[8 kk + 2 t4], b1 = v[8 kk + 2 t4 + 1] (bank 8 t4 + g (+4)).
-      auto pv = [&](int kk) {
-        rtk_u32 ah[4], al[4];
-        rtk_split_tf32<EXACT>(p[kk][0], ah[0], al[0]);
-        rtk_split_tf32<EXACT>(p[kk][2], ah[1], al[1]);
-        rtk_split_tf32<EXACT>(p[kk][1], ah[2], al[2]);
-        rtk_split_tf32<EXACT>(p[kk][3], ah[3], al[3]);
-        const float* vr = sV + (kk * 8 + 2 * t4) * VS + g;
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          float x0 = vr[nt * 8], x1 = vr[VS + nt * 8];
-          if (v_bad) {  // rare: zero Inf/NaN in the operand, remember that this warp saw one
-            const bool b0 = rtk_nonfinite(x0), b1 = rtk_nonfinite(x1);
-            saw_bad |= b0 | b1;
-            x0 = b0 ? 0.f : x0;
-            x1 = b1 ? 0.f : x1;
-          }
-          rtk_u32 bh0, bl0, bh1, bl1;
-          rtk_split_tf32<EXACT>(x0, bh0, bl0);
-          rtk_split_tf32<EXACT>(x1, bh1, bl1);
-          rtk_mma1688_x3<EXACT>(o_acc[nt], ah, al, bh0, bh1, bl0, bl1);
-        }
-      };
-      #pragma unroll
-      for (int kk = 0; kk < 6; ++kk)
-        if (kk < 2 * w) pv(kk);
-      dec.scale_rows(o_acc);
-      // the diagonal block (key tiles 2w, 2w+1); tiles picked with compile-time indices so p
-      // stays in registers
-      #pragma unroll
-      for (int kw = 0; kw < 4; ++kw) {
-        if (kw == w) {
+        for (int nt = 0; nt < OWN; ++nt)
           #pragma unroll
-          for (int jd = 0; jd < 2; ++jd) {
-            dec.mask_diag(p[2 * kw + jd], jd);
-            pv(2 * kw + jd);
+          for (int e = 0; e < 4; ++e) o_acc[nt][e] *= dec.inter0;
+        dec.scale_left(p, W);
+        // o_acc += P[:, 8 kk ..] V[8 kk .., :] (kk a compile-time value). The score accumulator's
+        // columns are 2 t4 (+1), the A operand's t4 (+4): since the k index is summed, A column t4
+        // is taken as key 2 t4 and A column t4 + 4 as key 2 t4 + 1, so A = {c0, c2, c1, c3}, and
+        // the B rows follow: b0 = v[8 kk + 2 t4], b1 = v[8 kk + 2 t4 + 1] (bank 8 t4 + g (+4)).
+        auto pv = [&](int kk) {
+          rtk_u32 ah[4], al[4];
+          rtk_split_tf32<EXACT>(p[kk][0], ah[0], al[0]);
+          rtk_split_tf32<EXACT>(p[kk][2], ah[1], al[1]);
+          rtk_split_tf32<EXACT>(p[kk][1], ah[2], al[2]);
+          rtk_split_tf32<EXACT>(p[kk][3], ah[3], al[3]);
+          const float* vr = sV + (kk * 8 + 2 * t4) * VS + g;
+          #pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            float x0 = vr[nt * 8], x1 = vr[VS + nt * 8];
+            if (v_bad) {  // rare: zero Inf/NaN in the operand (the outputs are marked below)
+              x0 = rtk_nonfinite(x0) ? 0.f : x0;
+              x1 = rtk_nonfinite(x1) ? 0.f : x1;
+            }
+            rtk_u32 bh0, bl0, bh1, bl1;
+            rtk_split_tf32<EXACT>(x0, bh0, bl0);
+            rtk_split_tf32<EXACT>(x1, bh1, bl1);
+            rtk_mma1688_x3<EXACT>(o_acc[nt], ah, al, bh0, bh1, bl0, bl1);
+          }
+        };
+        #pragma unroll
+        for (int kk = 0; kk < 2 * W; ++kk) pv(kk);
+        dec.scale_rows(o_acc);
+        // the diagonal block (key tiles 2W, 2W+1)
+        #pragma unroll
+        for (int jd = 0; jd < 2; ++jd) {
+          dec.mask_diag(p[2 * W + jd], jd);
+          pv(2 * W + jd);
+        }
+
+        if (W > 0) {  // the pieces of q S the state warps computed for these rows
+          rtk_f32_pieces_wait();
+          #pragma unroll
+          for (int nt = OWN; nt < NT; ++nt) {
+            const int slot = W == 3 ? 2 + nt / HT : W - 1;
+            const float4 x = sP[(slot * HT + nt % HT) * 32 + lane];
+            o_acc[nt][0] = fmaf(x.x * dec.inter0, dec.row_lo, o_acc[nt][0]);
+            o_acc[nt][1] = fmaf(x.y * dec.inter0, dec.row_lo, o_acc[nt][1]);
+            o_acc[nt][2] = fmaf(x.z * dec.inter0, dec.row_hi, o_acc[nt][2]);
+            o_acc[nt][3] = fmaf(x.w * dec.inter0, dec.row_hi, o_acc[nt][3]);
           }
         }
-      }
 
-      if (v_bad && __any_sync(0xffffffffu, saw_bad))
-        rtk_chunk_mark_nonfinite(o_acc, r0, g, t4, [&](int s2, int c) { return rtk_nonfinite(sV[s2 * VS + c]); });
-      rtk_chunk_store_rows<RTK_F32>(ob, o_acc, n0, r0, g, t4, len, o_sn, v0, dv_here, ovec_full);
-      __syncthreads();  // (B) done with the state copy and with this stage
+        if (v_bad) {
+          // rare: NaN where the causal sum reaches a non-finite v_s (rows t >= s, same column),
+          // as rtk_chunk_mark_nonfinite but with one pass over the keys s <= r0 + 15 (compact
+          // code: this is compiled once per output warp)
+          int first[NT][2];  // first key s with v_s[c] non-finite in the thread's columns c (64: none)
+          #pragma unroll
+          for (int nt = 0; nt < NT; ++nt) first[nt][0] = first[nt][1] = C;
+          #pragma unroll 1
+          for (int s2 = r0 + 15; s2 >= 0; --s2)
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+              #pragma unroll
+              for (int b = 0; b < 2; ++b)
+                if (rtk_nonfinite(sV[s2 * VS + nt * 8 + 2 * t4 + b])) first[nt][b] = s2;
+          #pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (r0 + g + (e >> 1) * 8 >= first[nt][e & 1]) o_acc[nt][e] = __int_as_float(0x7fc00000);
+        }
+        rtk_chunk_store_rows<RTK_F32>(ob, o_acc, n0, r0, g, t4, len, o_sn, v0, dv_here, ovec_full);
+        __syncthreads();  // (B) done with the state copy, the pieces and this stage
+      }
+    };
+    switch (warp) {
+      case 0: out_loop(0); break;
+      case 1: out_loop(1); break;
+      case 2: out_loop(2); break;
+      default: out_loop(3); break;
     }
   } else {
     // ---- state warps: fp32 state in registers (rows sr0 .. sr0 + KMAX/4 - 1), fp32 copy in smem
-    const int sr0 = (warp - 4) * MT * 16;
+    const int sw = warp - 4;  // also the slot of this warp's q S piece
+    const int sr0 = sw * MT * 16;
+    // this warp's q S piece (see above): rows of output warp prb, n-tiles pn0 .. pn0 + HT - 1
+    const int prb = min(sw + 1, 3), pn0 = sw == 2 ? 0 : HT;
     float s_acc[MT][NT][4];
     const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, state_slot};
     sf.load(s_acc, init_state);
@@ -1139,6 +1221,42 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
       const int len = min(C, NS - n0);
       const float* sK = sm + stage * L::STAGE + L::K;
       const float* sV = sm + stage * L::STAGE + L::V;
+      if (!states_only) {
+        // the q S piece, from the state copy as it entered the chunk, as raw fp32 sums
+        const float* sQ = sm + stage * L::STAGE + L::Q;
+        float pacc[HT][4];
+        rtk_zero(pacc);
+        #pragma unroll 1
+        for (int kq = 0; kq < kt_used; ++kq) {
+          // A = q rows 16 prb + g (+8), columns 8 kq + t4 (+4): bank 4 g + t4 (+const)
+          rtk_u32 ah[4], al[4];
+          const float* qa = sQ + (16 * prb + g) * KS + kq * 8 + t4;
+          rtk_split_tf32<EXACT>(qa[0], ah[0], al[0]);
+          rtk_split_tf32<EXACT>(qa[8 * KS], ah[1], al[1]);
+          rtk_split_tf32<EXACT>(qa[4], ah[2], al[2]);
+          rtk_split_tf32<EXACT>(qa[8 * KS + 4], ah[3], al[3]);
+          // B = state copy rows 8 kq + t4 (+4), column (pn0 + nt) * 8 + g: bank 8 t4 + g (+const)
+          const float* sb = sS + (kq * 8 + t4) * SS + pn0 * 8 + g;
+          #pragma unroll
+          for (int nt = 0; nt < HT; ++nt) {
+            rtk_u32 bh0, bl0, bh1, bl1;
+            rtk_split_tf32<EXACT>(sb[nt * 8], bh0, bl0);
+            rtk_split_tf32<EXACT>(sb[4 * SS + nt * 8], bh1, bl1);
+            rtk_mma1688_x3<EXACT>(pacc[nt], ah, al, bh0, bh1, bl0, bl1);
+          }
+        }
+        // 16 bytes per lane and n-tile, consecutive lanes: conflict-free
+        #pragma unroll
+        for (int nt = 0; nt < HT; ++nt) {
+          float4 x;
+          x.x = pacc[nt][0];
+          x.y = pacc[nt][1];
+          x.z = pacc[nt][2];
+          x.w = pacc[nt][3];
+          sP[(sw * HT + nt) * 32 + lane] = x;
+        }
+        rtk_f32_pieces_arrive();  // output warps 1..3 may read the piece
+      }
       // delta = (K * w)^T V, w_s = gamma^(len-1-s), over 8-token k-steps s0 = 8 kk
       float d_acc[MT][NT][4];
       #pragma unroll
@@ -1147,6 +1265,9 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
         for (int nt = 0; nt < NT; ++nt)
           #pragma unroll
           for (int e = 0; e < 4; ++e) d_acc[mt][nt][e] = 0.f;
+      // all_mt: every m-tile of this warp holds rows < Dk (the usual case: no condition around the
+      // mma, which would cost a warp sync each); otherwise m-tiles wholly past Dk are skipped
+      auto delta_steps = [&](const bool all_mt) {
       #pragma unroll 1
       for (int kk = 0; kk * 8 < len; ++kk) {
         const int sa = kk * 8 + t4, sb = sa + 4;  // the thread's tokens (A columns t4, t4 + 4)
@@ -1172,10 +1293,12 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
           rtk_split_tf32<EXACT>(vr[4 * VS + nt * 8], bh1, bl1);
           #pragma unroll
           for (int mt = 0; mt < MT; ++mt)
-            if (sr0 + mt * 16 < Dk)  // m-tiles wholly past Dk stay zero
+            if (all_mt || sr0 + mt * 16 < Dk)  // m-tiles wholly past Dk stay zero
               rtk_mma1688_x3<EXACT>(d_acc[mt][nt], ah[mt], al[mt], bh0, bh1, bl0, bl1);
         }
       }
+      };
+      if (sr0 + (MT - 1) * 16 < Dk) delta_steps(true); else delta_steps(false);
       // S = gamma^len S + delta, one rounding per element and chunk
       const float carry = len == C ? carry_full : (float)exp((double)lgd * (double)len);
       #pragma unroll

@@ -174,12 +174,26 @@ __device__ __forceinline__ rtk_u32 rtk_tf32(float x) {
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return r;
 }
-// x = hi + lo: hi = tf32(x), lo = tf32(x - hi) (x - hi is exact in fp32). hi * hi' + hi * lo' +
+// x = hi + lo for the 3xTF32 products, in 3 instructions: hi = x rounded to tf32 with integer
+// ops (add half a tf32 ulp to the bits, clear the 13 low bits: round to nearest, ties away, as
+// cvt.rna), lo = x - hi, exact in fp32 (|lo| <= 2^-11 |x|), handed to the mma as its raw fp32 bits:
+// a .tf32 operand's 13 low mantissa bits are not read by the tensor cores (ptxas itself feeds
+// cvt.rna.tf32 results to HMMA.TF32 without clearing them), so the mma sees lo truncated to 11
+// significant bits (error <= 2^-21 |x|, against 2^-22 for cvt.rna on lo). hi * hi' + hi * lo' +
 // lo * hi' then carries about 21 bits of every product (the lo * lo' term, 2^-22 relative, is
-// dropped). Without EXACT only hi is formed (lo = 0 and nothing is computed for it).
+// dropped). Non-finite x: Inf gives hi = Inf and lo = NaN; NaN gives lo = NaN (hi may be NaN, Inf
+// or 0: the bit add can carry out of a NaN); either way every product with x is NaN, as with
+// cvt.rna. |x| within 2^-12 of FLT_MAX rounds to hi = Inf, lo = -Inf, also as cvt.rna.tf32 does
+// (the products are NaN). Without EXACT only hi is formed, with cvt.rna (lo = 0 and nothing is
+// computed for it).
 template <bool EXACT> __device__ __forceinline__ void rtk_split_tf32(float x, rtk_u32& hi, rtk_u32& lo) {
-  hi = rtk_tf32(x);
-  lo = EXACT ? rtk_tf32(x - __uint_as_float(hi)) : 0u;
+  if (EXACT) {
+    hi = (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u;
+    lo = __float_as_uint(x - __uint_as_float(hi));
+  } else {
+    hi = rtk_tf32(x);
+    lo = 0u;
+  }
 }
 // D += A (16x8, row) * B (8x8, col), tf32 operands, fp32 accumulators.
 __device__ __forceinline__ void rtk_mma1688_tf32(float (&d)[4], const rtk_u32 (&a)[4], rtk_u32 b0, rtk_u32 b1) {

@@ -20,8 +20,8 @@ fused pass folds them into each segment's entering state.
 
 fp32 inputs run ``rtk_chunk_fwd_f32`` in the same file: the same algorithm and warp roles on TF32
 tensor cores (mma.sync m16n8k8, fp32 tiles in shared memory). ``fp32_precision="exact"`` splits
-every operand x into hi = tf32(x) and lo = tf32(x - hi) and forms each product as
-hi*lo' + lo*hi' + hi*hi' (3xTF32: about fp32 accuracy); ``"tf32"`` uses
+every operand x into hi = tf32(x) and lo = x - hi (which the tensor cores read to TF32 precision)
+and forms each product as hi*lo' + lo*hi' + hi*hi' (3xTF32: about fp32 accuracy); ``"tf32"`` uses
 one TF32 product (relative error ~1e-3, faster). It takes the same arguments, so the launch
 planner's split-sequence strategy (segments, ``rtk_chunk_seg_scan``) serves it too; it has no
 wgmma variant, and its tile (BV, stages) follows the GPU's shared memory. fp64 inputs run the
@@ -156,9 +156,10 @@ def smem_bytes(kmax: int, bv: int, wg: bool = False) -> int:
 
 def f32_smem_bytes(kmax: int, bv: int, stages: int = 2) -> int:
     """Dynamic shared memory of ``rtk_chunk_fwd_f32`` with ``stages`` stages (mirrors
-    rtk_chunk_f32_smem in chunk.cu)."""
+    rtk_chunk_f32_smem in chunk.cu): per stage the q, k and v tiles, then the fp32 state copy and
+    the 4 q S pieces the state warps compute (16 x BV/2 floats each)."""
     c = CHUNK_KERNEL
-    return 4 * (stages * (2 * c * (kmax + 4) + c * (bv + 4)) + kmax * (bv + 8))
+    return 4 * (stages * (2 * c * (kmax + 4) + c * (bv + 4)) + kmax * (bv + 8) + 4 * 16 * (bv // 2))
 
 
 def config_smem(config: tuple) -> int:
