@@ -905,8 +905,8 @@ rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // gri
 //   values they store.
 // - The state warps take part of q S (the "pieces", below), so that the output warps, whose work
 //   grows with their rows, no longer hold everyone up at (B). Each output warp runs its own
-//   compiled copy of the output loop (W = its index, a template constant), so its loops over key
-//   tiles and n-tiles have fixed bounds.
+//   compiled copy of the output loop (out_loop inlined with W = its index as a constant), so its
+//   loops over key tiles and n-tiles have fixed bounds and no branches.
 //
 // q S pieces. Per chunk, output warp w does q S for its 16 rows (KMAX/8 k-steps x NT n-tiles of
 // m16n8k8 mma), then the scores of its rows against keys 0 .. 16w+15 and P V over those keys; for
@@ -951,6 +951,10 @@ struct rtk_chunk_f32_smem {
   static constexpr int ELEMS = P + 4 * PIECE;
   static constexpr int BYTES = ELEMS * 4;
 };
+
+#ifndef RTK_F32_KUNROLL  // unrolling of the k-step loops of q S and q k^T in rtk_chunk_fwd_f32 (knob)
+#define RTK_F32_KUNROLL 2
+#endif
 
 // Named barrier 1 of rtk_chunk_fwd_f32 (the q S pieces, see above): 224 threads, the 4 state warps
 // arrive, output warps 1..3 wait. Both order this thread's earlier shared-memory accesses before
@@ -1081,8 +1085,9 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
         rtk_zero(o_acc);
         rtk_zero(p);
 
-        // q_t S (n-tiles < OWN) and q_t . k_s over 8-wide k-steps d0 = 8 kq, sharing the q fragments.
-        #pragma unroll 1
+        // q_t S (n-tiles < OWN) and q_t . k_s over 8-wide k-steps d0 = 8 kq, sharing the q fragments
+        // (two k-steps per pass: the loads of the second overlap the mma of the first)
+        #pragma unroll RTK_F32_KUNROLL
         for (int kq = 0; kq < kt_used; ++kq) {
           // A = q rows r0 + g (+8), columns d0 + t4 (+4): bank 4 g + t4 (+const), conflict-free
           rtk_u32 ah[4], al[4];
@@ -1226,7 +1231,7 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
         const float* sQ = sm + stage * L::STAGE + L::Q;
         float pacc[HT][4];
         rtk_zero(pacc);
-        #pragma unroll 1
+        #pragma unroll RTK_F32_KUNROLL
         for (int kq = 0; kq < kt_used; ++kq) {
           // A = q rows 16 prb + g (+8), columns 8 kq + t4 (+4): bank 4 g + t4 (+const)
           rtk_u32 ah[4], al[4];
