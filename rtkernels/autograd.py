@@ -8,8 +8,9 @@ backward does not depend on the method; :func:`backward_impl` picks it per call 
 
 - inputs the ``chunk`` CUDA kernel takes (CUDA, fp16/bf16, Dk and Dv <= 256):
   :func:`rtkernels.kernel_backward.kernel_backward`, three passes of the forward kernel (two of
-  them on the reversed sequence) plus the final-state terms, and for a trainable decay the
-  dlog(gamma) of this module (:func:`log_decay_grad`);
+  them on the reversed sequence) plus the final-state terms, and for a trainable decay one CUDA
+  kernel for dlog(gamma) (:func:`rtkernels.decay_grad.kernel_log_decay_grad`: the same number by
+  forward-mode differentiation, W = dS/dlog(gamma) carried with the state);
 - everything else (the CPU, fp32 -- whose forward may run the fp32 chunk kernel --, fp64, larger
   heads): :func:`torch_backward`, the chunked algorithm below in torch operations, recomputing
   the forward states chunk by chunk.
@@ -69,7 +70,8 @@ gradient. Everything else stays finite (the dense products keep non-finite rows 
 forward: :func:`~rtkernels.methods._torch_common.causal_apply`).
 
 Both implementations follow these NaN rules (the kernel backward through the forward kernel's
-own NaN handling in each of its passes).
+own NaN handling in each of its passes; its dlog(gamma) kernel keeps every NaN of a head in that
+head's sum).
 """
 
 from __future__ import annotations
@@ -198,6 +200,8 @@ def log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     For a backward whose dq, dk, dv come from elsewhere: it never forms dq, dk or dv, and its
     fp32/fp64 temporaries (O(N (Dk + Dv + C) + (N / C) Dk Dv) per (batch, head)) are bounded by
     :data:`DECAY_GRAD_BYTES` by running over ranges of batches and heads. Work as the torch backward's.
+    The kernel backward uses it where its passes do not run the chunk kernel (on the kernel path a
+    CUDA kernel computes the same number: :func:`rtkernels.decay_grad.kernel_log_decay_grad`).
     """
     cdt = compute_dtype(q.dtype)
     b, h, n, dk = q.shape

@@ -20,10 +20,14 @@ from the end). Differentiating ``L = sum_i g_i . o_i + <G, S_N>``::
     dS_0 = scale sum_i gamma^(i+1) q_i^T g_i + gamma^N G     = scale gamma (final state of R(k, q, g)) + gamma^N G
 
 The G terms are batched products times the powers gamma^(N-1-j), added in torch operations; no
-term is ever divided by gamma or by scale (gamma may be 1e-6 and scale 0). dlog(gamma) is the
-chunked four-term formula of :func:`rtkernels.autograd.log_decay_grad`, shared with the torch
-backward. (The identity dlog(gamma) = sum_i i q_i . dq_i - sum_j j k_j . dk_j + ... is exact but
-subtracts two large sums of rounded 16-bit gradients: catastrophic cancellation.)
+term is ever divided by gamma or by scale (gamma may be 1e-6 and scale 0). dlog(gamma), for a
+trainable decay, is one more kernel where the passes run the chunk kernel:
+:func:`rtkernels.decay_grad.kernel_log_decay_grad` (``cuda_src/chunk_decay_grad.cu``), which carries
+W = dS/dlog(gamma) forward with the state, chunk by chunk, and sums non-negative-weight terms
+only (its module docstring has the math); elsewhere the chunked four-term formula of
+:func:`rtkernels.autograd.log_decay_grad` in torch operations, shared with the torch backward. (The
+identity dlog(gamma) = sum_i i q_i . dq_i - sum_j j k_j . dk_j + ... is exact but subtracts two
+large sums of rounded 16-bit gradients: catastrophic cancellation.)
 
 The reversed passes cost no copy on the kernel path: :func:`rtkernels.methods.chunk.kernel_forward`
 with ``reverse=True`` hands the kernel the pointers of row N-1 and negated token strides. Where
@@ -36,14 +40,18 @@ scores of the dq pass) are rounded to fp16 as the forward's q . k are, so a very
 gradient (loss scaling near fp16's range) can overflow there. dq, dk, dv come back in the input
 dtype (:class:`~rtkernels.autograd.Grads` allows it): the Function rounds gradients to the input
 dtype anyway, and fp32 copies would triple the backward's memory; the G terms are added in fp32
-and rounded once into them. dS_0 and dlog(gamma) are fp32.
+and rounded once into them. dS_0 and dlog(gamma) are fp32; the dlog(gamma) kernel takes the 16-bit
+inputs as they are, rounds each operand it weights by a power of gamma once to 16 bits, and
+accumulates in fp32 (about the accuracy of the other gradients, far better where its terms do not
+cancel).
 
-Work: three forward passes, plus O(N Dk Dv) for the G terms, plus for a trainable decay the torch
-chunked dlog(gamma), O(N C (Dk + Dv) + N Dk Dv). Memory: the three gradients (each written in
-place by its pass), a ``[B, H, Dk, Dv]`` fp32 final state and transposed S_0, the G terms in token
-blocks (three fp32 ``[B, H, N/8, D]`` temporaries at most), and for a trainable decay the
-temporaries of :func:`~rtkernels.autograd.log_decay_grad` (at most
-:data:`~rtkernels.autograd.DECAY_GRAD_BYTES`). No per-token state is ever formed.
+Work: three forward passes, plus O(N Dk Dv) for the G terms, plus for a trainable decay the
+dlog(gamma) kernel, O(N C (Dk + Dv) + N Dk Dv) (about one more forward pass). Memory: the three
+gradients (each written in place by its pass), a ``[B, H, Dk, Dv]`` fp32 final state and
+transposed S_0, the G terms in token blocks (three fp32 ``[B, H, N/8, D]`` temporaries at most),
+and for a trainable decay a ``[B, Dv/BV, H]`` fp32 buffer of partial sums (where the torch formula
+runs instead: its temporaries, at most :data:`~rtkernels.autograd.DECAY_GRAD_BYTES`). No
+per-token state is ever formed.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ import torch
 
 from .autograd import BACKWARD_IMPLS, Grads, log_decay_grad
 from .decay import LogDecay
+from .decay_grad import kernel_log_decay_grad
 from .methods import METHODS, chunk
 from .methods._torch_common import decay_powers, run_torch_path
 from .runtime.dtypes import compute_dtype
@@ -122,11 +131,13 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
                     initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
                     grad_state: Optional[torch.Tensor], need_state_grad: bool, need_decay_grad: bool) -> Grads:
     """A :data:`~rtkernels.autograd.BackwardImpl`: the three forward passes of the module
-    docstring, the G terms and dlog(gamma). dq, dk, dv in the input dtype where the kernel runs,
-    else in the compute dtype; dS_0 and dlog(gamma) in the compute dtype."""
+    docstring, the G terms and dlog(gamma) (its kernel where the passes run the chunk kernel, else
+    :func:`~rtkernels.autograd.log_decay_grad`). dq, dk, dv in the input dtype where the kernel
+    runs, else in the compute dtype; dS_0 and dlog(gamma) in the compute dtype."""
     cdt = compute_dtype(q.dtype)
     n = q.shape[2]
-    dtype = q.dtype if kernel_runs(q, k, v, grad_out) else cdt
+    on_kernel = kernel_runs(q, k, v, grad_out)
+    dtype = q.dtype if on_kernel else cdt
     dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
     forward_pass(grad_out, v, k, log_decay, scale, dq, s0_t, False, False)
@@ -142,7 +153,8 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
             d_s0 += torch.exp(lg * n).view(-1, 1, 1) * g_state
     d_log = None
     if need_decay_grad:
-        d_log = log_decay_grad(q, k, v, log_decay, scale, initial_state, grad_out, grad_state)
+        dlog_fn = kernel_log_decay_grad if on_kernel else log_decay_grad
+        d_log = dlog_fn(q, k, v, log_decay, scale, initial_state, grad_out, grad_state)
     return Grads(dq, dk, dv, d_s0, d_log)
 
 

@@ -123,9 +123,12 @@ KERNEL_MODULES = (scan, fleet, block, chunk)
 
 
 def kernel_instances() -> dict[str, list[str]]:
-    """Every template instance the runtime can request, by source file (for the compile test)."""
+    """Every template instance the runtime can request, by source file (for the compile test): the
+    methods' kernels and the kernel backward's dlog(gamma) kernel (:mod:`rtkernels.decay_grad`)."""
+    from .. import decay_grad  # imported here: it imports this package
+
     out: dict[str, list[str]] = {}
-    for mod in KERNEL_MODULES:
+    for mod in (*KERNEL_MODULES, decay_grad):
         out.setdefault(mod.SOURCE, []).extend(mod.name_expression(c) for c in mod.all_configs())
         out[mod.SOURCE].extend(getattr(mod, "EXTRA_KERNELS", ()))
     return out

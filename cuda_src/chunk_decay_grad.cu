@@ -1,0 +1,417 @@
+// chunk_decay_grad.cu -- dL/dlog(gamma) of the chunked operator, for the kernel backward
+// (rtkernels/decay_grad.py launches it; rtkernels.decay_grad.torch_w_recurrence is the same
+// computation in torch operations, which the CPU tests check against autograd in fp64).
+//
+// Math, per (batch, head), chunks of C = 64 tokens (the last one L <= C long), local index t
+// (queries) / s (keys) in a chunk. S_c is the state entering chunk c and W_c = dS_c/dlog(gamma)
+// its derivative with respect to log(gamma) (forward-mode, carried along with S):
+//
+//   S_0 = S0 (or 0),  W_0 = 0
+//   S_{c+1} = gamma^L S_c + sum_s gamma^(L-1-s) k_s^T v_s
+//   W_{c+1} = gamma^L (W_c + L S_c) + sum_s (L-1-s) gamma^(L-1-s) k_s^T v_s
+//   dL/dlog(gamma) = scale * sum_c [ sum_t gamma^(t+1) q_t ((t+1) S_c + W_c) do_t^T
+//                                    + sum_{s<t} (t-s) gamma^(t-s) (q_t . k_s)(do_t . v_s) ]
+//                    + <G, W_end>
+//
+// with do = dL/do, G = dL/d(final state) (absent: 0), W_end the W after the last chunk and
+// <A, B> = sum_ab A_ab B_ab. (o_t = scale q_t S_t with S_t = gamma^(t+1) S_c + sum_{s<=t}
+// gamma^(t-s) k_s^T v_s inside the chunk; dS_t/dlog(gamma) = (t+1) gamma^(t+1) S_c + gamma^(t+1)
+// W_c + sum_s (t-s) gamma^(t-s) k_s^T v_s; the chain rule through every o_t and the final state.)
+// Every weight is non-negative and only non-negative powers of gamma appear: no cancellation
+// between terms and no overflow for any gamma in (0, 1] and any N. (The identity through
+// sum_i i q_i . dq_i - ... is exact too but cancels catastrophically in 16-bit.)
+//
+// The query-side terms are inner products with Dk x Dv matrices shaped like the state update:
+//
+//   sum_t gamma^(t+1) q_t ((t+1) S_c + W_c) do_t^T = <S_c, A1_c> + <W_c, A2_c>,
+//   A1_c = sum_t (t+1) gamma^(t+1) q_t^T do_t,   A2_c = sum_t gamma^(t+1) q_t^T do_t,
+//
+// so S, W and the four products A1, A2, D1 = sum_s gamma^(L-1-s) k_s^T v_s and D2 = sum_s
+// (L-1-s) gamma^(L-1-s) k_s^T v_s all live in fp32 registers in one mma fragment layout, and
+// <S, A1>, <W, A2>, <G, W_end> are elementwise in registers: no 16-bit copy of S or W is ever
+// formed (W grows like N^2 and would overflow fp16).
+//
+// Kernel: one CTA of 8 warps per (batch*head, tile of BV value columns) walks the chunks. Per
+// chunk, q, k (KMAX columns), v and do (the tile's BV columns) sit in shared memory, loaded with
+// cp.async (VEC: every row 16-byte aligned) or element by element (otherwise), double-buffered
+// (one barrier per chunk: the load of chunk c+1 is issued right after the barrier that opens
+// chunk c, into the stage chunk c-1 used), zero-filled beyond Dk, Dv and N.
+// - State part: warp w owns a ROWS x COLS slice of S and W (8 warps tile KMAX x BV; rows first)
+//   and one scratch fragment T: T = A1' -> acc1 += <S, T>; T = A2' -> acc2 += <W, T>;
+//   T = D2' -> W = gamma^L (W + L S) + n1 T; then S = gamma^L S + D1 (mma into S): old S is used
+//   where the recurrences need it. Each product is an mma m16n8k16 over the chunk's tokens with A
+//   = x^T (ldmatrix.trans of q or k) and B = y (ldmatrix.trans of do or v), as chunk.cu's state
+//   warps form k^T v; the per-token weight multiplies the A operand in fp32, rounded once to 16
+//   bits. The weights are normalised to at most 1 so that fp16 cannot overflow and small gamma
+//   keeps its precision (gamma = 1e-6 would be an fp16 subnormal): with
+//   n1 = max_{1<=m<=64} m gamma^m,
+//     A1' = A1 / n1  (weights (t+1) gamma^(t+1) / n1),   A2' = A2 / gamma  (weights gamma^t),
+//     D2' = D2 / n1  (weights (L-1-s) gamma^(L-1-s) / n1), D1 as it is (weights <= 1),
+//   and n1, gamma are multiplied back in fp32.
+// - Intra part: the causal 64 x 64 block, as 10 tiles of 16 x 16 (t >= s tiles) spread over the
+//   8 warps: Q K^T over Dk and dO V^T over this tile's columns by mma (fp32, from the exact
+//   16-bit inputs), times (t-s) gamma^(t-s) in fp32, summed. s > t is a select (an Inf score
+//   there must not make NaN), s = t a product with weight 0 (a NaN there reaches the sum, as in
+//   the torch formula).
+// The tile's share of the intra term (do . v over its columns) and of <S, A1>, <W, A2>, <G, W>
+// (its columns) add up over the value tiles to the whole. Each thread keeps fp32 partial sums; the
+// CTA reduces them in a fixed order (warp shuffles, then warp 0..7 through shared memory, no
+// atomics) and writes partial[(b * gridDim.y + tile) * H + h]; the host sums over batches and
+// tiles (deterministic).
+//
+// NaN: any NaN in q, k, v or do of a (batch, head) reaches its partial sum (products with weight
+// 0 included); the state terms keep NaN through S and W.
+#include "rtk_common.cuh"
+
+// Shared memory: two stages of q, k (64 x KMAX) and v, do (64 x BV), rows padded by 16 bytes
+// (conflict-free ldmatrix).
+template <int KMAX, int BV>
+struct rtk_dg_smem {
+  static constexpr int C = 64;
+  static constexpr int KS = KMAX + 8, VS = BV + 8;
+  static constexpr int Q = 0, K = Q + C * KS, V = K + C * KS, DO = V + C * VS;
+  static constexpr int STAGE = DO + C * VS;
+  static constexpr int ELEMS = 2 * STAGE;
+  static constexpr int BYTES = ELEMS * 2;
+};
+
+// How the 8 warps tile the KMAX x BV state: RW warps along the rows (16 rows at least each), CW
+// along the columns; each warp holds MT x NT fragments of 16 x 8.
+template <int KMAX, int BV>
+struct rtk_dg_split {
+  static constexpr int RW = KMAX >= 128 ? 8 : KMAX / 16, CW = 8 / RW;
+  static constexpr int ROWS = KMAX / RW, COLS = BV / CW;
+  static constexpr int MT = ROWS / 16, NT = COLS / 8;
+  static_assert(RW * CW == 8 && ROWS % 16 == 0 && COLS % 16 == 0, "bad tile");
+};
+
+// The two 16-bit values of x as fp32 (lo: the low half).
+template <int DT> __device__ __forceinline__ void rtk_dg_unpack2(rtk_u32 x, float& lo, float& hi);
+template <> __device__ __forceinline__ void rtk_dg_unpack2<RTK_BF16>(rtk_u32 x, float& lo, float& hi) {
+  lo = __uint_as_float(x << 16);
+  hi = __uint_as_float(x & 0xFFFF0000u);
+}
+template <> __device__ __forceinline__ void rtk_dg_unpack2<RTK_F16>(rtk_u32 x, float& lo, float& hi) {
+  asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }"
+      : "=f"(lo), "=f"(hi) : "r"(x));
+}
+// (lo * wlo, hi * whi) in fp32, rounded once to 16 bits.
+template <int DT> __device__ __forceinline__ rtk_u32 rtk_dg_scale2(rtk_u32 x, float wlo, float whi) {
+  float lo, hi;
+  rtk_dg_unpack2<DT>(x, lo, hi);
+  return rtk_pack2<DT>(lo * wlo, hi * whi);
+}
+
+// A warp's MT x NT fragments of the state (rows sr0.., columns c0.. of the value tile at v0):
+// f(mt, nt, e, off, real) for each element, with its offset in a [B, H, Dk, Dv] buffer and
+// whether it is a real (row < Dk, column < Dv) element.
+template <int MT, int NT>
+struct rtk_dg_frag {
+  int sr0, c0, g, t4, bh, Dk, Dv, v0, dv_here;
+  template <class F> __device__ __forceinline__ void elems(F f) const {
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = sr0 + mt * 16 + g + (e >> 1) * 8, c = c0 + nt * 8 + 2 * t4 + (e & 1);
+          f(mt, nt, e, ((rtk_i64)bh * Dk + r) * Dv + v0 + c, r < Dk && c < dv_here);
+        }
+  }
+};
+
+// acc (+)= (x * w)^T y over the first 16 ksteps tokens of a chunk: x = q or k (tile at shared
+// address sX, row stride KS elements; the warp's rows sr0..), y = do or v (at sY, stride VS;
+// columns cb .. cb + 8 NT - 1), weight(t) the token weight (fp32, applied to x and rounded once
+// to 16 bits). As chunk.cu's state warps: A = x^T and B = y by ldmatrix.trans, mma m16n8k16.
+template <int DT, int MT, int NT, int KS, int VS, class Wt>
+__device__ __forceinline__ void rtk_dg_product(float (&acc)[MT][NT][4], rtk_u32 sX, rtk_u32 sY, int ksteps, int sr0,
+                                               int cb, int lane, Wt weight) {
+  const int t4 = lane & 3;
+  #pragma unroll 1
+  for (int kk = 0; kk < ksteps; ++kk) {
+    const int ta = kk * 16 + 2 * t4;  // this thread's tokens: ta, ta + 1, ta + 8, ta + 9
+    const float w0 = weight(ta), w1 = weight(ta + 1), w8 = weight(ta + 8), w9 = weight(ta + 9);
+    rtk_u32 a[MT][4];
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      rtk_ldsm_x4_trans(a[mt], sX + 2 * ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * KS + sr0 + mt * 16 + ((lane >> 3) & 1) * 8));
+      a[mt][0] = rtk_dg_scale2<DT>(a[mt][0], w0, w1);
+      a[mt][1] = rtk_dg_scale2<DT>(a[mt][1], w0, w1);
+      a[mt][2] = rtk_dg_scale2<DT>(a[mt][2], w8, w9);
+      a[mt][3] = rtk_dg_scale2<DT>(a[mt][3], w8, w9);
+    }
+    #pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      rtk_u32 bb[4];
+      rtk_ldsm_x4_trans(bb, sY + 2 * ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + cb + np * 16 + (lane >> 4) * 8));
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        rtk_mma16816<DT>(acc[mt][2 * np], a[mt], bb[0], bb[1]);
+        rtk_mma16816<DT>(acc[mt][2 * np + 1], a[mt], bb[2], bb[3]);
+      }
+    }
+  }
+}
+
+template <int MT, int NT> __device__ __forceinline__ void rtk_dg_zero(float (&x)[MT][NT][4]) {
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) x[mt][nt][e] = 0.f;
+}
+
+// <x[:, n0 .. n0 + NG - 1], y> over fragments (fp32): y holds the NG n-tiles of x from n0 on (n0
+// a constant after unrolling, so x stays in registers).
+template <int MT, int NT, int NG>
+__device__ __forceinline__ float rtk_dg_dot(const float (&x)[MT][NT][4], const float (&y)[MT][NG][4], int n0) {
+  float s = 0.f;
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+    for (int nt = 0; nt < NG; ++nt)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) s = fmaf(x[mt][n0 + nt][e], y[mt][nt][e], s);
+  return s;
+}
+
+// Tile i (0..9) of the causal block: rows 16 r.., columns 16 c.., c <= r.
+__device__ __forceinline__ void rtk_dg_tile(int i, int& r, int& c) {
+  r = i < 1 ? 0 : i < 3 ? 1 : i < 6 ? 2 : 3;
+  c = i - r * (r + 1) / 2;
+}
+
+// Parameters: q, k, v, do ([B, H, N, D] views, unit last stride), log(gamma) [H], the initial
+// state and the gradient of the final state (fp32 contiguous [B, H, Dk, Dv], or null), the
+// partial sums [B, gridDim.y, H]; then sizes, scale and strides as RTK_FWD_PARAMS (do in o's place).
+// Registers: 128 a thread for KMAX <= 128 (two CTAs per multiprocessor: their shared memory fits),
+// no spills; KMAX = 256 takes one CTA per multiprocessor (shared memory) and up to 255.
+template <int DT, int KMAX, int BV, bool VEC>
+__global__ void __launch_bounds__(256, KMAX <= 128 ? 2 : 1)
+rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ k, const rtk_u16* __restrict__ v,
+                     const rtk_u16* __restrict__ dout, const float* __restrict__ log_decay,
+                     const float* __restrict__ init_state, const float* __restrict__ grad_state,
+                     float* __restrict__ partial, rtk_i64 H_, rtk_i64 N_, rtk_i64 Dk_, rtk_i64 Dv_, double scale_,
+                     rtk_i64 q_sb, rtk_i64 q_sh, rtk_i64 q_sn, rtk_i64 k_sb, rtk_i64 k_sh, rtk_i64 k_sn,
+                     rtk_i64 v_sb, rtk_i64 v_sh, rtk_i64 v_sn, rtk_i64 d_sb, rtk_i64 d_sh, rtk_i64 d_sn) {
+  RTK_FWD_SIZES;
+  typedef rtk_dg_smem<KMAX, BV> L;
+  typedef rtk_dg_split<KMAX, BV> P;
+  constexpr int C = L::C, KS = L::KS, VS = L::VS, MT = P::MT, NT = P::NT;
+  constexpr int NG = MT * NT >= 8 ? 2 : 1;  // column groups of the scratch fragment
+  static_assert(KMAX % 64 == 0 && BV % 32 == 0, "bad tile");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  rtk_u16* const sm = reinterpret_cast<rtk_u16*>(smem_raw);
+  __shared__ float red[8];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
+  const int v0 = blockIdx.y * BV;
+  const int dv_here = min(BV, Dv - v0);
+  const float lgf = log_decay[h];
+  const float lg2 = lgf * 1.4426950408889634f;  // log2(gamma)
+  const rtk_u16* qb = q + (rtk_i64)b * q_sb + (rtk_i64)h * q_sh;
+  const rtk_u16* kb = k + (rtk_i64)b * k_sb + (rtk_i64)h * k_sh;
+  const rtk_u16* vb = v + (rtk_i64)b * v_sb + (rtk_i64)h * v_sh + v0;
+  const rtk_u16* db = dout + (rtk_i64)b * d_sb + (rtk_i64)h * d_sh + v0;
+  const int nchunks = (N + C - 1) / C;
+
+  // ---- loading chunk `chunk` into stage `stage` (all 256 threads) --------------------------------
+  constexpr int QP = KMAX / 8, VP = BV / 8;            // 16-byte pieces of a q/k row and of a v/do row
+  constexpr int QROWS = 256 / QP, VROWS = 256 / VP;  // rows one pass of the 256 threads covers
+  auto load_chunk = [&](int chunk, int stage) {
+    rtk_u16* sQ = sm + stage * L::STAGE + L::Q;
+    rtk_u16* sK = sm + stage * L::STAGE + L::K;
+    rtk_u16* sV = sm + stage * L::STAGE + L::V;
+    rtk_u16* sD = sm + stage * L::STAGE + L::DO;
+    const rtk_i64 n0 = (rtk_i64)chunk * C;
+    const int rows = (int)min((rtk_i64)C, (rtk_i64)N - n0);
+    if (VEC) {  // 16-byte pieces; bytes past Dk / Dv / N are zero-filled (nothing read there)
+      // thread tid copies the piece at column qcol (vcol) of rows qrow + i * QROWS (vrow + i * VROWS):
+      // one pointer per operand, stepped by a multiple of the row stride
+      const int qrow = tid / QP, qcol = (tid % QP) * 8, vrow = tid / VP, vcol = (tid % VP) * 8;
+      const int qbytes = max(0, min(16, (Dk - qcol) * 2)), vbytes = max(0, min(16, (dv_here - vcol) * 2));
+      const char* qp = reinterpret_cast<const char*>(qb + (n0 + qrow) * q_sn + (qbytes ? qcol : 0));
+      const char* kp = reinterpret_cast<const char*>(kb + (n0 + qrow) * k_sn + (qbytes ? qcol : 0));
+      const char* vp = reinterpret_cast<const char*>(vb + (n0 + vrow) * v_sn + (vbytes ? vcol : 0));
+      const char* dp = reinterpret_cast<const char*>(db + (n0 + vrow) * d_sn + (vbytes ? vcol : 0));
+      const rtk_u32 aq = rtk_smem_addr(sQ + qrow * KS + qcol), ak = rtk_smem_addr(sK + qrow * KS + qcol);
+      const rtk_u32 av = rtk_smem_addr(sV + vrow * VS + vcol), ad = rtk_smem_addr(sD + vrow * VS + vcol);
+      #pragma unroll
+      for (int i = 0; i < C / QROWS; ++i, qp += 2 * QROWS * q_sn, kp += 2 * QROWS * k_sn) {
+        const bool in = qrow + i * QROWS < rows;  // rows past N: nothing read, zeros
+        rtk_cp_async16(aq + 2 * i * QROWS * KS, in ? (const void*)qp : (const void*)qb, in ? qbytes : 0);
+        rtk_cp_async16(ak + 2 * i * QROWS * KS, in ? (const void*)kp : (const void*)kb, in ? qbytes : 0);
+      }
+      #pragma unroll
+      for (int i = 0; i < C / VROWS; ++i, vp += 2 * VROWS * v_sn, dp += 2 * VROWS * d_sn) {
+        const bool in = vrow + i * VROWS < rows;
+        rtk_cp_async16(av + 2 * i * VROWS * VS, in ? (const void*)vp : (const void*)vb, in ? vbytes : 0);
+        rtk_cp_async16(ad + 2 * i * VROWS * VS, in ? (const void*)dp : (const void*)db, in ? vbytes : 0);
+      }
+    } else {  // element by element (rows not 16-byte aligned)
+      for (int e = tid; e < C * KMAX; e += 256) {
+        const int r = e / KMAX, col = e % KMAX;
+        const bool ok = r < rows && col < Dk;
+        const rtk_i64 n = n0 + r;
+        sQ[r * KS + col] = ok ? qb[n * q_sn + col] : (rtk_u16)0;
+        sK[r * KS + col] = ok ? kb[n * k_sn + col] : (rtk_u16)0;
+      }
+      for (int e = tid; e < C * BV; e += 256) {
+        const int r = e / BV, col = e % BV;
+        const bool ok = r < rows && col < dv_here;
+        const rtk_i64 n = n0 + r;
+        sV[r * VS + col] = ok ? vb[n * v_sn + col] : (rtk_u16)0;
+        sD[r * VS + col] = ok ? db[n * d_sn + col] : (rtk_u16)0;
+      }
+    }
+  };
+
+  if (nchunks > 0) {
+    load_chunk(0, 0);
+    rtk_cp_async_commit();
+  }
+
+  // ---- this warp's slice of the state: rows sr0.., columns c0.. of the tile ----------------------
+  const int sr0 = (warp % P::RW) * P::ROWS, c0 = (warp / P::RW) * P::COLS;
+  const bool state_live = sr0 < Dk && c0 < dv_here;  // else S, W stay 0 and the products are skipped
+  const rtk_dg_frag<MT, NT> frag = {sr0, c0, g, t4, bh, Dk, Dv, v0, dv_here};
+  float s_acc[MT][NT][4], w_acc[MT][NT][4];
+  frag.elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {
+    s_acc[mt][nt][e] = (init_state != nullptr && real) ? init_state[off] : 0.f;
+    w_acc[mt][nt][e] = 0.f;
+  });
+
+  // n1 = max_{1<=m<=64} m gamma^m as log2: the normaliser of the (t+1)- and (L-1-s)-weights
+  float log2n1 = lg2;
+  #pragma unroll 1
+  for (int m = 2; m <= C; ++m) log2n1 = fmaxf(log2n1, log2f((float)m) + lg2 * (float)m);
+
+  float acc1 = 0.f, acc2 = 0.f, acci = 0.f;  // sum <S, A1'>, sum <W, A2'>, the intra term
+
+  const int kt_used = (Dk + 15) >> 4, vt_used = (dv_here + 15) >> 4;
+
+  for (int chunk = 0; chunk < nchunks; ++chunk) {
+    const int stage = chunk & 1;
+    rtk_cp_async_wait<0>();
+    __syncthreads();  // chunk's tiles visible; every warp is done with the other stage
+    if (chunk + 1 < nchunks) {
+      load_chunk(chunk + 1, stage ^ 1);
+      rtk_cp_async_commit();
+    }
+    const int len = (int)min((rtk_i64)C, (rtk_i64)N - (rtk_i64)chunk * C);
+    const int ksteps = (len + 15) >> 4;
+    const rtk_u32 sQ = rtk_smem_addr(sm + stage * L::STAGE + L::Q);
+    const rtk_u32 sK = rtk_smem_addr(sm + stage * L::STAGE + L::K);
+    const rtk_u32 sV = rtk_smem_addr(sm + stage * L::STAGE + L::V);
+    const rtk_u32 sD = rtk_smem_addr(sm + stage * L::STAGE + L::DO);
+
+    // ---- state part ------------------------------------------------------------------------------
+    if (state_live) {
+      // gamma^L in fp64 (its rounding compounds over the chunks), from log_decay again (a register less)
+      const float carry = (float)exp((double)log_decay[h] * (double)len);
+      const float n1 = rtk_exp2(log2n1), fl = (float)len;
+      // per group of NTG n-tiles (a scratch fragment T of that width keeps the registers down)
+      #pragma unroll
+      for (int grp = 0; grp < NG; ++grp) {
+        constexpr int NTG = NT / NG;
+        const int cb = c0 + grp * NTG * 8;
+        float t_acc[MT][NTG][4];
+        // A1' = sum_t (t+1) gamma^(t+1) / n1 q_t^T do_t;  acc1 += <S, A1'>   (old S)
+        rtk_dg_zero(t_acc);
+        rtk_dg_product<DT, MT, NTG, KS, VS>(t_acc, sQ, sD, ksteps, sr0, cb, lane, [&](int t) -> float {
+          return t < len ? (float)(t + 1) * rtk_exp2(lg2 * (float)(t + 1) - log2n1) : 0.f;
+        });
+        acc1 += rtk_dg_dot(s_acc, t_acc, grp * NTG);
+        // A2' = sum_t gamma^t q_t^T do_t;  acc2 += <W, A2'>   (old W)
+        rtk_dg_zero(t_acc);
+        rtk_dg_product<DT, MT, NTG, KS, VS>(t_acc, sQ, sD, ksteps, sr0, cb, lane, [&](int t) -> float {
+          return t < len ? rtk_exp2(lg2 * (float)t) : 0.f;
+        });
+        acc2 += rtk_dg_dot(w_acc, t_acc, grp * NTG);
+        // D2' = sum_s (L-1-s) gamma^(L-1-s) / n1 k_s^T v_s;  W = gamma^L (W + L S) + n1 D2'   (old S)
+        rtk_dg_zero(t_acc);
+        rtk_dg_product<DT, MT, NTG, KS, VS>(t_acc, sK, sV, ksteps, sr0, cb, lane, [&](int s) -> float {
+          // s = L-1 (weight 0) by a select: gamma^0 / n1 may overflow
+          return s < len - 1 ? (float)(len - 1 - s) * rtk_exp2(lg2 * (float)(len - 1 - s) - log2n1) : 0.f;
+        });
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          #pragma unroll
+          for (int nt = 0; nt < NTG; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float& w = w_acc[mt][grp * NTG + nt][e];
+              w = fmaf(carry, fmaf(fl, s_acc[mt][grp * NTG + nt][e], w), n1 * t_acc[mt][nt][e]);
+            }
+      }
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) s_acc[mt][nt][e] *= carry;
+      // S = gamma^L S + sum_s gamma^(L-1-s) k_s^T v_s
+      rtk_dg_product<DT, MT, NT, KS, VS>(s_acc, sK, sV, ksteps, sr0, c0, lane, [&](int s) -> float { return s < len ? rtk_exp2(lg2 * (float)(len - 1 - s)) : 0.f; });
+    }
+
+    // ---- intra part: tiles warp, warp + 8 of the causal block ------------------------------------
+    #pragma unroll 1
+    for (int i = warp; i < 10; i += 8) {
+      int r, c;
+      rtk_dg_tile(i, r, c);
+      if (16 * r >= len) continue;  // rows past the sequence
+      float p[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      float dp[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      const int arow = 16 * r + (lane & 7) + ((lane >> 3) & 1) * 8, acol = (lane >> 4) * 8;
+      const int brow = 16 * c + (lane & 7) + (lane >> 4) * 8, bcol = ((lane >> 3) & 1) * 8;
+      #pragma unroll 1
+      for (int ks = 0; ks < kt_used; ++ks) {  // q_t . k_s
+        rtk_u32 a[4], bb[4];
+        rtk_ldsm_x4(a, sQ + 2 * (arow * KS + ks * 16 + acol));
+        rtk_ldsm_x4(bb, sK + 2 * (brow * KS + ks * 16 + bcol));
+        rtk_mma16816<DT>(p[0], a, bb[0], bb[1]);
+        rtk_mma16816<DT>(p[1], a, bb[2], bb[3]);
+      }
+      #pragma unroll 1
+      for (int ks = 0; ks < vt_used; ++ks) {  // do_t . v_s over the tile's columns
+        rtk_u32 a[4], bb[4];
+        rtk_ldsm_x4(a, sD + 2 * (arow * VS + ks * 16 + acol));
+        rtk_ldsm_x4(bb, sV + 2 * (brow * VS + ks * 16 + bcol));
+        rtk_mma16816<DT>(dp[0], a, bb[0], bb[1]);
+        rtk_mma16816<DT>(dp[1], a, bb[2], bb[3]);
+      }
+      #pragma unroll
+      for (int j = 0; j < 2; ++j)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int d = (16 * r + g + (e >> 1) * 8) - (16 * c + 8 * j + 2 * t4 + (e & 1));  // t - s
+          if (d >= 0) acci = fmaf(p[j][e] * dp[j][e], (float)d * rtk_exp2(lg2 * (float)d), acci);
+        }
+    }
+  }
+
+  // ---- <G, W_end>, the scale and the normalisers, the CTA's sum ------------------------------------
+  float accg = 0.f;
+  if (grad_state != nullptr) {
+    frag.elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {
+      if (real) accg = fmaf(grad_state[off], w_acc[mt][nt][e], accg);
+    });
+  }
+  float val = fmaf(scale, fmaf(rtk_exp2(log2n1), acc1, fmaf(rtk_exp2(lg2), acc2, acci)), accg);
+  #pragma unroll
+  for (int off = 16; off > 0; off >>= 1) val += __shfl_xor_sync(0xffffffffu, val, off);
+  if (lane == 0) red[warp] = val;
+  __syncthreads();
+  if (tid == 0) {
+    float s = 0.f;
+    #pragma unroll
+    for (int w = 0; w < 8; ++w) s += red[w];
+    partial[((rtk_i64)b * gridDim.y + blockIdx.y) * H + h] = s;
+  }
+}

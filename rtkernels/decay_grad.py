@@ -1,0 +1,157 @@
+r"""dL/dlog(gamma) for the kernel backward: one CUDA kernel (``cuda_src/chunk_decay_grad.cu``), and
+the same computation in torch operations (:func:`torch_w_recurrence`) that the CPU tests check.
+
+Per batch and head, chunks of C = 64 tokens (the last one L <= C long), local index t (queries)
+/ s (keys), S_c the state entering chunk c and W_c = dS_c/dlog(gamma) its derivative, carried
+forward with it (``do`` = dL/do, ``G`` = dL/d(final state), 0 when absent)::
+
+    S_0 = S0 (or 0),  W_0 = 0
+    S_{c+1} = gamma^L S_c + sum_s gamma^(L-1-s) k_s^T v_s
+    W_{c+1} = gamma^L (W_c + L S_c) + sum_s (L-1-s) gamma^(L-1-s) k_s^T v_s
+    dL/dlog(gamma) = scale * sum_c [ sum_t gamma^(t+1) q_t ((t+1) S_c + W_c) do_t^T
+                                     + sum_{s<t} (t-s) gamma^(t-s) (q_t . k_s)(do_t . v_s) ]
+                     + <G, W_end>
+
+summed over the batch for each head. It is the derivative of ``L = sum_t do_t . o_t + <G, S_N>``
+through o_t = scale q_t S_t, S_t = gamma^(t+1) S_c + sum_{s<=t} gamma^(t-s) k_s^T v_s, the same
+number as the adjoint four-term formula of :mod:`rtkernels.autograd` (forward mode instead of
+reverse mode). Every weight is non-negative and only non-negative powers of gamma appear: no
+cancellation, no overflow, for any gamma in (0, 1] and any N.
+
+The kernel (the header of the .cu file has the details): one CTA of 8 warps per (batch*head,
+tile of BV value columns) walks the chunks with q, k, v, do in shared memory (cp.async, two
+stages). S, W and the four Dk x Dv products of each chunk (A1 = sum_t (t+1) gamma^(t+1) q_t^T
+do_t, A2 = sum_t gamma^(t+1) q_t^T do_t, and the k^T v sums of the two recurrences) live in
+fp32 registers in one mma fragment layout, so ``<S, A1> + <W, A2>`` (the first term) and
+``<G, W_end>`` are elementwise in registers; the intra-chunk term takes the causal 64 x 64 block
+of q k^T and do v^T by mma. Operands are the 16-bit inputs; a per-token weight multiplies one
+operand in fp32 and is rounded once to 16 bits (normalised to at most 1 first, so fp16 neither
+overflows nor loses a small gamma to its subnormals); accumulation is fp32 throughout. Each CTA
+writes one partial sum (reduced in a fixed order); the host sums them over batches and tiles in
+float64: deterministic, no atomics.
+
+Work per CTA and chunk: four KMAX x BV x 64 products and the causal block of two 64 x 64 score
+matrices (q k^T over KMAX, recomputed for each value tile; do v^T over BV): about one forward
+pass. Memory: a ``[B, tiles, H]`` fp32 buffer. The chunks of a (batch, head) are walked in one
+CTA (no split-sequence strategy), so few (batch, head) pairs with a long sequence leave
+multiprocessors idle.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from .decay import LogDecay
+from .methods import chunk
+from .methods._launch import fwd_tail, unit_stride
+from .runtime import dtype_code, get_function, launch
+
+__all__ = ["SOURCE", "CHUNK", "kernel_config", "all_configs", "name_expression", "smem_bytes",
+           "kernel_log_decay_grad", "torch_w_recurrence"]
+
+SOURCE = "chunk_decay_grad.cu"
+#: Tokens per chunk (the kernel's and :func:`torch_w_recurrence`'s).
+CHUNK = 64
+
+
+def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool) -> tuple[int, int, int, bool]:
+    """Template arguments (DT, KMAX, BV, VEC) of ``rtk_chunk_decay_grad``: KMAX the smallest of 64,
+    128, 256 that holds Dk; BV 32 where KMAX = 256 (S, W and the scratch fragment of a warp's
+    32 x 32 slice: 96 fp32 registers) or Dv <= 32, else 64; VEC: every row 16-byte aligned."""
+    kmax = 64 if dk <= 64 else 128 if dk <= 128 else 256
+    bv = 32 if kmax == 256 or dv <= 32 else 64
+    return dtype_code(dtype), kmax, bv, vec
+
+
+def all_configs() -> list[tuple[int, int, int, bool]]:
+    """Every instance :func:`kernel_config` can ask for (the CI compile test compiles them)."""
+    return sorted({kernel_config(dt, dk, dv, vec) for dt in (torch.float16, torch.bfloat16)
+                   for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True)})
+
+
+def name_expression(config: tuple) -> str:
+    return "rtk_chunk_decay_grad<" + ", ".join(str(c).lower() for c in config) + ">"
+
+
+def smem_bytes(kmax: int, bv: int) -> int:
+    """Dynamic shared memory of the kernel (mirrors rtk_dg_smem): two stages of q, k (64 x KMAX) and
+    v, do (64 x BV) in 16 bits, rows padded by 8 elements."""
+    return 2 * 2 * CHUNK * (2 * (kmax + 8) + 2 * (bv + 8))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(dtype: torch.dtype, dk: int, dv: int, vec: bool) -> tuple[str, int, int]:
+    """(name expression, BV, dynamic shared memory)."""
+    config = kernel_config(dtype, dk, dv, vec)
+    return name_expression(config), config[2], smem_bytes(config[1], config[2])
+
+
+def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
+                          initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
+                          grad_state: Optional[torch.Tensor]) -> torch.Tensor:
+    """dL/dlog(gamma), ``[H]`` float32, by the kernel (arguments as a
+    :data:`~rtkernels.autograd.BackwardImpl`'s: ``[B, H, N, D]`` views of one 16-bit dtype on one
+    CUDA device, Dk and Dv <= 256, any strides; ``grad_out`` = dL/do). Views without a unit last
+    stride are copied; the initial state and ``grad_state`` are used as fp32 contiguous copies."""
+    b, h, n, dk = q.shape
+    dv = v.shape[-1]
+    q, k, v, grad_out = unit_stride(q, k, v, grad_out)
+    vec = all(chunk._aligned(x) for x in (q, k, v, grad_out))
+    name, bv, smem = _plan(q.dtype, dk, dv, vec)
+    dev = q.device.index
+    fn = get_function(SOURCE, name, dev, dynamic_smem=smem)
+    tiles = -(-dv // bv)
+    s0, g = (None if x is None else x.to(torch.float32).contiguous() for x in (initial_state, grad_state))
+    lg = log_decay.tensor(torch.float32)
+    partial = torch.empty(b, tiles, h, dtype=torch.float32, device=q.device)
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_out.data_ptr(), lg.data_ptr(),
+            0 if s0 is None else s0.data_ptr(), 0 if g is None else g.data_ptr(), partial.data_ptr(),
+            *fwd_tail(q, k, v, grad_out, float(scale)))
+    launch(fn, (b * h, tiles, 1), (256, 1, 1), args, dev, shared_mem=smem)
+    return partial.sum(dim=(0, 1), dtype=torch.float64).to(torch.float32)
+
+
+def torch_w_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, scale: float,
+                       initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
+                       grad_state: Optional[torch.Tensor]) -> torch.Tensor:
+    """The kernel's computation in torch operations, chunk by chunk (a Python loop over the chunks):
+    the S and W recurrences and the two terms of the module docstring, in the dtype of
+    ``log_decay`` (``[H]`` log(gamma)); q, k, v, ``grad_out`` (dL/do) are ``[B, H, N, D]``, the
+    states ``[B, H, Dk, Dv]`` or None. Returns ``[H]``. For tests: the CPU tests check it against
+    autograd through the fp64 reference. Its NaN handling is the kernel's (s > t by a select,
+    s = t a product with weight 0)."""
+    cdt = log_decay.dtype
+    b, h, n, dk = q.shape
+    dv = v.shape[-1]
+    q, k, v, do = (x.to(cdt) for x in (q, k, v, grad_out))
+    s = torch.zeros(b, h, dk, dv, dtype=cdt, device=q.device) if initial_state is None else initial_state.to(cdt)
+    w = torch.zeros_like(s)
+    acc = torch.zeros(b, h, dtype=cdt, device=q.device)
+    lg = log_decay.view(h, 1)
+    zero = torch.zeros((), dtype=cdt, device=q.device)
+    for c0 in range(0, n, CHUNK):
+        ln = min(CHUNK, n - c0)
+        qc, kc, vc, dc = (x[:, :, c0:c0 + ln] for x in (q, k, v, do))
+        t = torch.arange(ln, dtype=cdt, device=q.device)
+        pw = torch.exp(lg * (t + 1))                                        # [H, L] gamma^(t+1)
+        a1 = (qc * ((t + 1) * pw)[..., None]).transpose(-1, -2) @ dc
+        a2 = (qc * pw[..., None]).transpose(-1, -2) @ dc
+        acc = acc + (s * a1).sum((-1, -2)) + (w * a2).sum((-1, -2))
+        dist = t[:, None] - t[None, :]
+        weight = dist * torch.exp(lg[..., None] * dist.clamp(min=0))       # [H, L, L], 0 on the diagonal
+        intra = (qc @ kc.transpose(-1, -2)) * (dc @ vc.transpose(-1, -2)) * weight
+        acc = acc + torch.where(dist >= 0, intra, zero).sum((-1, -2))
+        m = ln - 1 - t                                                      # L-1-s
+        e = torch.exp(lg * m)
+        d1 = (kc * e[..., None]).transpose(-1, -2) @ vc
+        d2 = (kc * (m * e)[..., None]).transpose(-1, -2) @ vc
+        carry = torch.exp(log_decay * ln).view(h, 1, 1)
+        w = carry * (w + ln * s) + d2
+        s = carry * s + d1
+    res = scale * acc
+    if grad_state is not None:
+        res = res + (grad_state.to(cdt) * w).sum((-1, -2))
+    return res.sum(0)

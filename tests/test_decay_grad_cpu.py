@@ -1,0 +1,133 @@
+"""The math of the dlog(gamma) kernel (rtkernels/decay_grad.py, cuda_src/chunk_decay_grad.cu), on the
+CPU: :func:`~rtkernels.decay_grad.torch_w_recurrence` -- the kernel's computation in torch
+operations, the W = dS/dlog(gamma) recurrence -- against autograd through the fp64 reference and
+against the four-term adjoint formula of the torch backward; the kernel's configurations. The
+kernel itself runs in tests/test_gpu_decay_grad.py."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import rtkernels.autograd as rk_autograd
+import rtkernels.kernel_backward as kb
+from inputs import make_qkv, make_state, randn
+from reference import reference
+from rtkernels import decay_grad
+from rtkernels.decay import LogDecay
+
+F64 = torch.float64
+#: One head per decay: forgets at once, halves, keeps almost everything, keeps everything.
+GAMMAS = (1e-6, 0.5, 0.999, 1.0)
+NS = (1, 63, 65, 200)
+#: (Dk, Dv), never equal
+SIZES = [(3, 16), (40, 7)]
+#: (initial state given, gradient of the final state given)
+STATES = [(False, False), (True, False), (False, True), (True, True)]
+
+
+def _inputs(seed: int, n: int, dk: int, dv: int, with_s0: bool, with_g: bool, b: int = 2):
+    """fp64 ``[B, H, N, D]`` q, k, v, dL/do, and the initial state and dL/d(final state) or None."""
+    h = len(GAMMAS)
+    q, k, v = make_qkv(seed, b, h, n, dk, dv, F64)
+    gen = torch.Generator().manual_seed(seed + 1)
+    g = randn(gen, (b, h, n, dv), F64)
+    s0 = make_state(seed + 2, b, h, dk, dv, F64) if with_s0 else None
+    g_state = randn(gen, (b, h, dk, dv), F64) if with_g else None
+    return q, k, v, g, s0, g_state
+
+
+def _autograd_dlog(q, k, v, g, s0, g_state, scale: float) -> torch.Tensor:
+    """dL/dlog(gamma) for L = sum(g * out) + sum(G * final state), by autograd through the fp64
+    reference (the decay enters it as exp(log gamma))."""
+    lg = torch.log(torch.tensor(GAMMAS, dtype=F64)).requires_grad_(True)
+    out, state = reference(q, k, v, torch.exp(lg), scale, initial_state=s0)
+    loss = (out * g).sum() + ((state * g_state).sum() if g_state is not None else 0)
+    return torch.autograd.grad(loss, lg)[0]
+
+
+def _per_head_close(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> None:
+    """Each head within ``tol`` relative (the heads' gradients differ by orders of magnitude)."""
+    assert got.shape == want.shape, what
+    err = ((got - want).abs() / want.abs().clamp(min=1e-300)).tolist()
+    assert all(e <= tol for e in err), f"{what}: per-head relative errors {err}"
+
+
+@pytest.mark.parametrize("scale", (0.7, 0.0))
+@pytest.mark.parametrize("states", STATES, ids=lambda s: f"s0={int(s[0])}-G={int(s[1])}")
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("n", NS)
+def test_w_recurrence_matches_fp64_autograd(n, sizes, states, scale):
+    """The S/W recurrences and the two terms (the formula the kernel implements) give dL/dlog(gamma)
+    of autograd through the reference, per head, for gamma in {1e-6, 0.5, 0.999, 1}, one chunk,
+    a chunk and one token, several chunks with a partial last one."""
+    q, k, v, g, s0, g_state = _inputs(11 * n, n, *sizes, *states)
+    want = _autograd_dlog(q, k, v, g, s0, g_state, scale)
+    got = decay_grad.torch_w_recurrence(q, k, v, torch.log(torch.tensor(GAMMAS, dtype=F64)), scale, s0, g, g_state)
+    if scale == 0.0 and g_state is None:
+        assert torch.equal(got, torch.zeros_like(got)) and torch.equal(want, torch.zeros_like(want))
+        return
+    _per_head_close(got, want, 1e-9, f"n={n} {sizes} {states} scale={scale}")
+
+
+@pytest.mark.parametrize("states", STATES, ids=lambda s: f"s0={int(s[0])}-G={int(s[1])}")
+@pytest.mark.parametrize("n", (64, 130))
+def test_w_recurrence_equals_adjoint_formula(n, states):
+    """Forward mode (W carried with S) and the torch backward's adjoint four-term formula
+    (rtkernels.autograd.log_decay_grad) are the same number."""
+    q, k, v, g, s0, g_state = _inputs(5 * n, n, 16, 24, *states, b=3)
+    ld = LogDecay(torch.device("cpu"), host=tuple(math.log(x) for x in GAMMAS))
+    want = rk_autograd.log_decay_grad(q, k, v, ld, 0.5, s0, g, g_state)
+    got = decay_grad.torch_w_recurrence(q, k, v, ld.tensor(F64), 0.5, s0, g, g_state)
+    _per_head_close(got, want, 1e-10, f"n={n} {states}")
+
+
+@pytest.mark.parametrize("pos", (0, 63, 64, 99))
+@pytest.mark.parametrize("which", ("q", "k", "v", "g"))
+def test_w_recurrence_nan_reaches_its_head_only(which, pos):
+    """A NaN in q, k, v or dL/do of head 1 makes that head's dlog(gamma) NaN (the last token's
+    k and v too: through the diagonal products, whose weight is 0) and leaves the others as they
+    were; the adjoint formula agrees."""
+    q, k, v, g, s0, g_state = _inputs(3, 100, 8, 5, True, False)
+    lg = torch.log(torch.tensor(GAMMAS, dtype=F64))
+    clean = decay_grad.torch_w_recurrence(q, k, v, lg, 0.5, s0, g, g_state)
+    x = dict(q=q, k=k, v=v, g=g)[which]
+    x[1, 1, pos, 2] = float("nan")
+    got = decay_grad.torch_w_recurrence(q, k, v, lg, 0.5, s0, g, g_state)
+    assert torch.isnan(got[1]) and torch.equal(torch.cat([got[:1], got[2:]]), torch.cat([clean[:1], clean[2:]]))
+    ld = LogDecay(torch.device("cpu"), host=tuple(math.log(x) for x in GAMMAS))
+    adj = rk_autograd.log_decay_grad(q, k, v, ld, 0.5, s0, g, g_state)
+    assert torch.equal(torch.isnan(adj), torch.isnan(got))
+
+
+def test_configs_cover_every_head_size():
+    """Every Dk, Dv in 1..256 (both loaders) maps to an instance the compile test compiles, whose
+    shared memory fits an H100/H200 CTA; KMAX <= 128 instances are built for two CTAs per
+    multiprocessor (launch bounds), so two of them must fit its 228 KiB too."""
+    configs = set(decay_grad.all_configs())
+    for dk in range(1, 257):
+        for dv in range(1, 257):
+            for vec in (False, True):
+                c = decay_grad.kernel_config(torch.bfloat16, dk, dv, vec)
+                assert c in configs, (dk, dv, vec)
+    for _, kmax, bv, _ in configs:
+        smem = decay_grad.smem_bytes(kmax, bv)
+        assert smem <= 227 * 1024
+        if kmax <= 128:
+            assert 2 * (smem + 1024 + 32) <= 228 * 1024, (kmax, bv)  # + reserved and static per CTA
+    assert decay_grad.name_expression((2, 128, 64, True)) == "rtk_chunk_decay_grad<2, 128, 64, true>"
+
+
+def test_cpu_kernel_backward_keeps_the_torch_formula(monkeypatch):
+    """Where the chunk kernel does not run (here: the CPU) kernel_backward computes dlog(gamma) with
+    rtkernels.autograd.log_decay_grad, never the CUDA kernel."""
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the dlog(gamma) kernel was called for CPU inputs")
+
+    monkeypatch.setattr(kb, "kernel_log_decay_grad", no_kernel)
+    q, k, v, g, s0, g_state = _inputs(2, 70, 8, 6, True, True)
+    ld = LogDecay(torch.device("cpu"), host=tuple(math.log(x) for x in GAMMAS))
+    got = kb.kernel_backward(q, k, v, ld, 0.5, s0, g, g_state, True, True).log_decay
+    assert torch.equal(got, rk_autograd.log_decay_grad(q, k, v, ld, 0.5, s0, g, g_state))
