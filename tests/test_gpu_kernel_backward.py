@@ -53,8 +53,9 @@ def _want_stateless(shape: tuple, dtype: torch.dtype, gamma: float) -> tuple:
 def test_kernel_backward_matches_fp64(case, dtype, stateful, monkeypatch):
     """dq, dk, dv and dS_0 within the dtype's tolerance (16-bit passes on tensor cores; dS_0 is
     the reversed pass's final state, accumulated from 16-bit products like the forward's state),
-    d(decay) within fp32's (the shared fp32 chunked formula). ``stateful``: an initial state and a
-    loss on the returned final state too (the G terms), else the output alone."""
+    d(decay) too (the dlog(gamma) kernel: 16-bit operands, fp32 accumulation; an fp32 emulation of
+    its roundings stays within 0.4 of the tolerance on these cases). ``stateful``: an initial state
+    and a loss on the returned final state too (the G terms), else the output alone."""
     shape, segments = case
     monkeypatch.setattr(chunk, "force_segments", segments)
     b, h, n, dk, dv, layout = shape
@@ -74,8 +75,7 @@ def test_kernel_backward_matches_fp64(case, dtype, stateful, monkeypatch):
         names = ("q", "k", "v", *(["initial_state"] if stateful else []), "decay")
         for name, x, r in zip(names, leaves, want):
             assert x.grad.dtype == x.dtype, f"d{name}: {x.grad.dtype}"
-            tol = torch.float32 if name == "decay" else dtype
-            assert_close(x.grad, r, tol, f"d{name} {dtype} {case} gamma={gamma}", n=n)
+            assert_close(x.grad, r, dtype, f"d{name} {dtype} {case} gamma={gamma}", n=n)
 
 
 #: (B, H, N, Dk, Dv, layout): 16-byte rows (the cp.async loader) and rows of 20 / 12 elements
