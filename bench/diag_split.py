@@ -10,7 +10,7 @@ import math
 import torch
 
 import rtkernels
-from bench.timing import time_call
+from bench.timing import back_to_back_ms, time_call
 from rtkernels.api import _log_decay
 from rtkernels.methods import chunk
 
@@ -22,17 +22,8 @@ def ev(fn):  # one call, event-timed, L2 flushed (us)
     return time_call(fn, dev, 40, flush)["ms"] * 1e3
 
 
-def loop(fn, reps=50):  # back-to-back calls, mean (us)
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / reps * 1e3
+def loop(fn):  # back-to-back calls, mean (us)
+    return back_to_back_ms(fn) * 1e3
 
 
 B, H, N, D = 1, 32, 16384, 128

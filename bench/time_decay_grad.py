@@ -1,27 +1,19 @@
 """Scratch: forward + backward time at (4, 32, 4096, 128) bf16 with the decay fixed and with a
 trainable decay (the dlog(gamma) kernel), and the kernel's dlog(gamma) alone against the torch
-four-term formula. python bench/time_decay_grad.py"""
+four-term formula. python -m bench.time_decay_grad"""
 import math
 
 import torch
 
 import rtkernels
+from bench.timing import back_to_back_ms
 from rtkernels.autograd import log_decay_grad
 from rtkernels.decay import LogDecay
 from rtkernels.decay_grad import kernel_log_decay_grad
 
 
 def ms(fn, reps=10):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / reps
+    return back_to_back_ms(fn, reps, warmup=2)
 
 
 B, H, N, D = 4, 32, 4096, 128

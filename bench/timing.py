@@ -64,6 +64,21 @@ def time_call(fn: Fn, device: torch.device, reps: int, flush: Optional[torch.Ten
     return {"ms": statistics.median(times), "ms_min": min(times), "reps": reps, "first_call_ms": first * 1e3}
 
 
+def back_to_back_ms(fn: Fn, reps: int = 50, warmup: int = 3) -> float:
+    """Mean time of ``fn`` in ms over ``reps`` calls issued back to back on the current CUDA stream
+    (host time hidden behind the GPU: kernel time plus launch gaps), after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def run_with_peak(fn: Fn, device: torch.device) -> tuple[Any, Optional[int]]:
     """Run ``fn`` once; return its result and the most bytes it had allocated on top of what was
     allocated before the call (``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``;
