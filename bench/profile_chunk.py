@@ -1,28 +1,58 @@
-"""Scratch: host overhead of a cached kernel call, and one mid-shape chunk launch for ncu."""
-import cProfile, math, pstats, sys, time
-import torch
-import rtkernels
+"""Nsight Compute helper for the chunk kernels (device calls).
 
-mode = sys.argv[1] if len(sys.argv) > 1 else "host"
-g = 1 - torch.exp(torch.linspace(math.log(1 / 32), math.log(1 / 512), 32))
-if mode == "host":
-    q, k, v = (torch.randn(1, 32, 16, 64, device="cuda").bfloat16() for _ in range(3))
-    for m in ("chunk", "scan"):
-        f = lambda: rtkernels.causal_linear_attention(q, k, v, g, method=m)
-        for _ in range(20): f()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(2000): f()
-        t1 = time.perf_counter()
-        torch.cuda.synchronize()
-        print(f"{m}: host {1e6 * (t1 - t) / 2000:.1f} us/call (CPU time of the Python call)")
-    pr = cProfile.Profile(); pr.enable()
-    for _ in range(2000): rtkernels.causal_linear_attention(q, k, v, g, method="chunk")
-    pr.disable(); torch.cuda.synchronize()
-    pstats.Stats(pr).sort_stats("tottime").print_stats(18)
-else:
-    B, H, N, D = {"small": (2, 32, 1024, 128), "mid": (4, 32, 4096, 128)}.get(mode, (1, 32, 16384, 128))
-    q, k = (torch.randn(B, H, N, D, device="cuda").bfloat16() / D ** 0.5 for _ in range(2))
-    v = torch.randn(B, H, N, D, device="cuda").bfloat16()
-    for _ in range(3): rtkernels.causal_linear_attention(q, k, v, g, method="chunk")
+    python -m bench.profile_chunk run CASE        # the workload ncu attaches to (3 calls)
+    python -m bench.profile_chunk top FILE.csv    # the SASS lines with the most stall samples
+
+CASE: mid (4,32,4096,128) bf16, long (1,32,16384,128) bf16, f32 (4,32,4096,128) fp32 exact,
+tf32 (same, TF32 mode). bench/ncu_chunk.sh runs ncu over each case and calls ``top``.
+"""
+import csv
+import sys
+
+CASES = {"mid": ((4, 32, 4096, 128), "bfloat16", "exact"), "long": ((1, 32, 16384, 128), "bfloat16", "exact"),
+         "f32": ((4, 32, 4096, 128), "float32", "exact"), "tf32": ((4, 32, 4096, 128), "float32", "tf32")}
+
+
+def run(case: str) -> None:
+    import torch
+
+    import rtkernels
+
+    (b, h, n, d), dt, prec = CASES[case]
+    dtype = getattr(torch, dt)
+    torch.manual_seed(0)
+    q, k = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) / d ** 0.5 for _ in range(2))
+    v = torch.randn(b, h, n, d, device="cuda", dtype=dtype)
+    for _ in range(3):
+        rtkernels.causal_linear_attention(q, k, v, 0.99, method="chunk", fp32_precision=prec)
     torch.cuda.synchronize()
+
+
+def top(path: str, count: int = 60) -> None:
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    head_at = next(i for i, r in enumerate(rows) if any("Source" == c or "Address" in c for c in r))
+    head, body = rows[head_at], [r for r in rows[head_at + 1:] if len(r) == len(rows[head_at])]
+    samp = next(i for i, c in enumerate(head) if "Warp Stall Sampling (All" in c)
+    src = next(i for i, c in enumerate(head) if c == "Source")
+    reasons = [i for i, c in enumerate(head) if c.startswith("stall_") or "Stall" in c and i != samp]
+
+    def num(x: str) -> float:
+        try:
+            return float(x.replace(",", ""))
+        except ValueError:
+            return 0.0
+
+    total = sum(num(r[samp]) for r in body) or 1.0
+    print(f"{path}: {len(body)} SASS lines, {total:.0f} stall samples")
+    for idx, r in sorted(enumerate(body), key=lambda x: -num(x[1][samp]))[:count]:
+        why = sorted(((num(r[i]), head[i]) for i in reasons if num(r[i]) > 0), reverse=True)[:3]
+        print(f"{idx:5d} {100 * num(r[samp]) / total:5.1f}% {r[src][:70]:70s} " +
+              " ".join(f"{n}={v:.0f}" for v, n in why))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "run":
+        run(sys.argv[2])
+    else:
+        top(sys.argv[2])

@@ -9,8 +9,10 @@
 //
 // The warps specialise. Output warps 0..3 each own 16 rows t of the chunk; state warps 4..7 each
 // own KMAX/4 rows of S, in fp32 registers, and publish a 16-bit copy of S in shared memory as
-// the operand of q_t S. Both groups work on the same chunk at the same time; two barriers per
-// chunk order the state copy and the double-buffered cp.async tiles.
+// the operand of q_t S. Both groups work on the same chunk at the same time and meet at one
+// barrier per chunk: the q/k/v tiles (cp.async) and the state copy are double-buffered, so the
+// state warps load chunk c + 1 and write the copy of S entering it while the output warps
+// compute chunk c.
 //
 // Only non-negative powers of gamma are formed (no overflow for any gamma in (0, 1], any N).
 // For an output warp whose rows start at r0 the decay is factored as
@@ -53,8 +55,13 @@ struct rtk_chunk_smem {
   static constexpr int VS = SW ? 64 : BV + 8;
   static constexpr int Q = 0, K = Q + C * (SW ? KMAX : KS), V = K + C * (SW ? KMAX : KS);
   static constexpr int STAGE = V + C * (SW ? BV : VS);
-  static constexpr int S = 2 * STAGE;  // 16-bit copy of the state, KMAX x BV
-  static constexpr int ELEMS = S + KMAX * (SW ? BV : VS);
+  // two 16-bit copies of the state, KMAX x BV each: the state entering chunk c in copy c % 2;
+  // KMAX 256 keeps one (its tiles fill the 163 KB of an A100), written after an extra barrier
+  static constexpr int S = 2 * STAGE, SCOPY = KMAX * (SW ? BV : VS), NCOPY = KMAX == 256 ? 1 : 2;
+  // SW only: two buffers of the chunk's 64 output rows on their way to global memory (rows of
+  // BV + 8 elements: conflict-free stmatrix, 16-byte aligned rows for the bulk copies)
+  static constexpr int OS = BV + 8, O = S + NCOPY * SCOPY;
+  static constexpr int ELEMS = O + (SW ? 2 * C * OS : 0);
   static constexpr int ALIGN = SW ? 1024 : 0;            // slack for aligning the base
   static constexpr int BYTES = ELEMS * 2 + 32 + ALIGN;  // + fp16 scaling: max|S| of the 4 state warps, 2 slots
   static __device__ __forceinline__ int qk_off(int r, int p) { return SW ? rtk_swz_off(C, r, p) : r * KS + p * 8; }
@@ -183,6 +190,25 @@ struct rtk_chunk_decay {
       }
     }
   }
+  // All 64 keys of warp W's scores (the wgmma kernel): gamma^(t-s) * scale for s <= t (left of
+  // the diagonal block, right to left, as row factor x column factor, gamma^(r0-s) = col_f *
+  // gamma^(8 per tile); inside it directly), 0 above the diagonal (a select: q.k may be Inf there).
+  template <int W> __device__ __forceinline__ void scale_scores(float (&p)[8][4]) const {
+    float step_lo = row_lo, step_hi = row_hi;
+    #pragma unroll
+    for (int j = 2 * W - 1; j >= 0; --j) {
+      const float f0l = col_f0 * step_lo, f1l = col_f1 * step_lo, f0h = col_f0 * step_hi, f1h = col_f1 * step_hi;
+      p[j][0] *= f0l; p[j][1] *= f1l; p[j][2] *= f0h; p[j][3] *= f1h;
+      step_lo *= g8;
+      step_hi *= g8;
+    }
+    mask_diag(p[2 * W], 0);
+    mask_diag(p[2 * W + 1], 1);
+    #pragma unroll
+    for (int j = 2 * W + 2; j < 8; ++j)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
+  }
   // Output rows times gamma^(t - r0) * scale.
   template <int NT> __device__ __forceinline__ void scale_rows(float (&o_acc)[NT][4]) const {
     #pragma unroll
@@ -259,6 +285,33 @@ __device__ __forceinline__ void rtk_chunk_store_rows(typename rtk_io<DT>::T* ob,
       }
     }
   }
+}
+
+// As rtk_chunk_store_rows for whole tiles whose rows start on 16 bytes (sm_90+): the warp puts
+// its 16 rows into buffer `stage` (shared address, rows of OS elements; the warp's own rows, so
+// no barrier beyond the warp) with stmatrix, and lanes 0..15 each send one row with a bulk copy,
+// committed as one group per lane and chunk. Before refilling a buffer, the copies that read it
+// two chunks before must be done (wait_read<1>); the kernel waits for all before it ends.
+template <int DT, int NT, int OS>
+__device__ __forceinline__ void rtk_chunk_send_rows(typename rtk_io<DT>::T* ob, const float (&o_acc)[NT][4],
+                                                    rtk_u32 stage, int n0, int r0, int lane, int len,
+                                                    rtk_i64 o_sn, int v0) {
+  rtk_bulk_wait_read<1>();
+  __syncwarp();
+  const int m = lane >> 3;  // matrix m of each stmatrix: rows 8 (m & 1) .., n-tile 2 np + (m >> 1)
+  const rtk_u32 at = stage + 2 * ((r0 + (m & 1) * 8 + (lane & 7)) * OS + (m >> 1) * 8);
+  #pragma unroll
+  for (int np = 0; np < NT / 2; ++np)
+    rtk_stsm_x4(at + 32 * np, rtk_pack2<DT>(o_acc[2 * np][0], o_acc[2 * np][1]),
+                rtk_pack2<DT>(o_acc[2 * np][2], o_acc[2 * np][3]),
+                rtk_pack2<DT>(o_acc[2 * np + 1][0], o_acc[2 * np + 1][1]),
+                rtk_pack2<DT>(o_acc[2 * np + 1][2], o_acc[2 * np + 1][3]));
+  rtk_fence_proxy_async();  // these writes before the async proxy's reads
+  __syncwarp();
+  const int t = r0 + lane;
+  if (lane < 16 && t < len)
+    rtk_bulk_store(ob + ((rtk_i64)n0 + t) * o_sn + v0, stage + 2 * t * OS, NT * 8 * (int)sizeof(typename rtk_io<DT>::T));
+  rtk_bulk_commit();
 }
 
 // A state warp's fp32 fragment of S (rows sr0 .. sr0 + 16 MT - 1, the tile's NT n-tiles): where
@@ -350,9 +403,10 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
   constexpr rtk_u32 AL = L::ALIGN > 0 ? L::ALIGN : 1;
   unsigned char* smem_raw = smem_base + ((AL - (rtk_smem_addr(smem_base) & (AL - 1))) & (AL - 1));
   rtk_u16* sm = reinterpret_cast<rtk_u16*>(smem_raw);
-  // fp16 only: each state warp publishes max|S| of its rows (or -1 when not finite) in slot
-  // (chunk & 1) before barrier (B); the state warps read the 4 values after (B), the output warps
-  // after the next (A), and both derive the same power of two 2^e, max|S| * 2^e <= 2^14.
+  // fp16 only: each state warp publishes max|S| of its rows (or -1 when not finite) for the copy of
+  // S entering chunk c in slot c % 2; the state warps read the 4 values after a barrier of their
+  // own, the output warps after the CTA barrier ending the period before chunk c, and both derive
+  // the same power of two 2^e, max|S| * 2^e <= 2^14.
   float* s_red = reinterpret_cast<float*>(smem_raw + L::ELEMS * 2);
   auto copy_exponent = [&](int slot) -> int {
     float m = 0.f;
@@ -398,66 +452,65 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
   };
 
   const int nchunks = (NS + C - 1) / C;
-  if (!out_warp) {
-    load_chunk(0, 0);
-    rtk_cp_async_commit();
-  }
-  if (!VEC) __syncthreads();  // chunk 0 was stored by other threads; the v check below reads it
 
-  const rtk_u32 sS_addr = rtk_smem_addr(sm + L::S);
-
-  // Chunk prologue shared by both warp groups: prefetch the next chunk, wait for this one, look
-  // for non-finite v, barrier (A). Returns whether this chunk's v holds Inf/NaN.
-  auto begin_chunk = [&](int chunk) -> bool {
+  // The state warps' end of a chunk period: wait for their copies of chunk `next` (issued at the
+  // start of the period), look for non-finite v in it, then the CTA barrier, which ORs the answers.
+  // Returns whether chunk `next`'s v holds Inf/NaN.
+  auto end_period = [&](int next) -> bool {
     bool my_bad = false;
     if (!out_warp) {
-      const int stage = chunk & 1;
-#ifndef RTK_PROBE_NO_LOAD
-      if (chunk + 1 < nchunks) load_chunk(chunk + 1, stage ^ 1);
-#endif
-      rtk_cp_async_commit();
-      rtk_cp_async_wait<1>();
-      // The v pieces of this thread's loader set (with VEC the pieces it copied itself; without,
-      // pieces written before an earlier barrier): any Inf/NaN? The barrier ORs the answers.
-      const rtk_u16* sV = sm + stage * L::STAGE + L::V;
-      #pragma unroll
-      for (int u = 0; u < C / VROWS; ++u) {
-        const uint4 x = *reinterpret_cast<const uint4*>(sV + L::v_off(vrow + u * VROWS, vcol >> 3));
-        my_bad |= rtk_nonfinite2<DT>(x.x) | rtk_nonfinite2<DT>(x.y) | rtk_nonfinite2<DT>(x.z) |
-                  rtk_nonfinite2<DT>(x.w);
+      rtk_cp_async_wait<0>();
+      if (!VEC) rtk_named_sync(1, 128);  // the chunk was stored by other state warps
+      if (next < nchunks) {
+        // the v pieces of this thread's loader set: any Inf/NaN?
+        const rtk_u16* sV = sm + (next & 1) * L::STAGE + L::V;
+        #pragma unroll
+        for (int u = 0; u < C / VROWS; ++u) {
+          const uint4 x = *reinterpret_cast<const uint4*>(sV + L::v_off(vrow + u * VROWS, vcol >> 3));
+          my_bad |= rtk_nonfinite2<DT>(x.x) | rtk_nonfinite2<DT>(x.y) | rtk_nonfinite2<DT>(x.z) |
+                    rtk_nonfinite2<DT>(x.w);
+        }
       }
+      // the tiles (cp.async) and the state copy (st.shared) are read by wgmma next: async proxy
+      if (WG) rtk_fence_proxy_async();
     }
 #ifdef RTK_PROBE_NO_LOAD
     my_bad = false;
 #endif
-    // the tiles (cp.async) and the state copy (st.shared) are read by wgmma next: async proxy
-    if (WG && !out_warp) rtk_fence_proxy_async();
-    return __syncthreads_or(my_bad) != 0;  // (A) tiles and state copy visible
+    return __syncthreads_or(my_bad) != 0;
   };
 
-  // The two groups run separate loops (so neither holds the other's registers); both execute the
-  // same barriers in the same order.
+  // The two groups run separate loops (so neither holds the other's registers) and meet at one
+  // barrier per chunk (end_period). In the period of chunk c the output warps compute its outputs
+  // from stage c % 2 and state copy c % 2, while the state warps load chunk c + 1 into the other
+  // stage, update S with chunk c and write the copy of S entering chunk c + 1 into the other copy.
   if (out_warp) {
     // ---- output warps: per-thread decay factors, fixed for the whole sequence -----------------
     const int w = warp, r0 = 16 * warp;  // this warp's rows r0 .. r0+15 of each chunk
     const rtk_chunk_decay dec(lg2, scale, g, t4, r0);
+    // the wgmma kernel sends whole, 16-byte aligned output rows with bulk copies
+    const bool osend = WG && ovec_full && o_sn % 8 == 0 && (reinterpret_cast<size_t>(ob + v0) & 15) == 0;
     float s_inv = 1.f;  // the state copy holds S * 2^e (fp16); s_inv = 2^-e
-    __syncthreads();    // (matches the state warps' start barrier: the first state copy)
+    bool v_bad = end_period(0);  // chunk 0 and the first state copy are in place
+    auto out_end = [&](int chunk) -> bool {
+      if (L::NCOPY == 1) __syncthreads();  // done with the one state copy
+      return end_period(chunk + 1);
+    };
 
     for (int chunk = 0; chunk < nchunks; ++chunk) {
-      const bool v_bad = begin_chunk(chunk);
-      if (DT == RTK_F16) s_inv = exp2f((float)-copy_exponent((chunk + 1) & 1));
       const int stage = chunk & 1;
+      if (DT == RTK_F16) s_inv = exp2f((float)-copy_exponent(stage));
+      const rtk_u32 sS_addr = rtk_smem_addr(sm + L::S + (L::NCOPY == 2 ? stage : 0) * L::SCOPY);
       const int n0 = chunk * C;
       const int len = min(C, NS - n0);
       const rtk_u32 sQ_addr = rtk_smem_addr(sm + stage * L::STAGE + L::Q);
       const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
       const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
 #ifdef RTK_PROBE_NO_OUT
-      if (chunk >= 0) { __syncthreads(); continue; }
+      if (chunk >= 0) { v_bad = out_end(chunk); continue; }
 #endif
       if (states_only) {  // first pass of the split-sequence strategy: no outputs
-        __syncthreads();
+        v_bad = out_end(chunk);
         continue;
       }
       float o_acc[NT][4];
@@ -498,6 +551,10 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
         #pragma unroll
         for (int ks = 0; ks < KMAX / 16; ++ks) rtk_wgmma_ss<DT, 0>(pa, rtk_desc_at(dq, kmaj(ks)), rtk_desc_at(dk, kmaj(ks)), ks);
         rtk_wg_commit();
+#ifdef RTK_PROBE_NO_QS
+        rtk_zero(o_acc);
+        if (chunk < 0)
+#endif
         #pragma unroll
         for (int nb = 0; nb < BV / 64; ++nb) {
           float (&oa)[32] = reinterpret_cast<float (&)[32]>(o_acc[8 * nb]);
@@ -508,26 +565,13 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
         rtk_wg_commit();
         rtk_wg_wait<1>();
         rtk_wg_pin(pa);
-        // P: gamma^(t-s) * scale for s <= t (left of the diagonal block as row factor x column
-        // factor, inside it directly), 0 above the diagonal (a select: q.k may be Inf there)
-        // (left of the diagonal block, right to left: gamma^(r0-s) = col_f * gamma^(8 tiles))
-        float step_lo = dec.row_lo, step_hi = dec.row_hi;
-        #pragma unroll
-        for (int j = 7; j >= 0; --j)
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int dj = j - 2 * w;
-            float& x = p[j][e];
-            if (dj < 0) {
-              x *= ((e & 1) ? dec.col_f1 : dec.col_f0) * ((e >> 1) ? step_hi : step_lo);
-              if (e == 3) { step_lo *= dec.g8; step_hi *= dec.g8; }
-            } else if (dj < 2) {
-              const float d = dj == 0 ? dec.diag[0][e] : dec.diag[1][e];
-              x = d >= 0.f ? x * d : 0.f;
-            } else {
-              x = 0.f;
-            }
-          }
+        // P: gamma^(t-s) * scale for s <= t, 0 above the diagonal (code per warp: no branches)
+        switch (w) {
+          case 0: dec.scale_scores<0>(p); break;
+          case 1: dec.scale_scores<1>(p); break;
+          case 2: dec.scale_scores<2>(p); break;
+          default: dec.scale_scores<3>(p); break;
+        }
         rtk_wg_wait<0>();
         #pragma unroll
         for (int nb = 0; nb < BV / 64; ++nb) rtk_wg_pin(reinterpret_cast<float (&)[32]>(o_acc[8 * nb]));
@@ -538,6 +582,9 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
           o_acc[nt][0] *= f_lo; o_acc[nt][1] *= f_lo;
           o_acc[nt][2] *= f_hi; o_acc[nt][3] *= f_hi;
         }
+#ifdef RTK_PROBE_NO_PV
+        if (chunk < 0)
+#endif
         if (!v_bad) {  // P v: P from registers, v from shared memory
           rtk_u32 a[4][4];
           #pragma unroll
@@ -620,9 +667,17 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
         rtk_chunk_mark_nonfinite(o_acc, r0, g, t4,
                                  [&](int s2, int c) -> int { return (sV[L::v_off(s2, c >> 3) + (c & 7)] & EXP) == EXP; });
       }
-      rtk_chunk_store_rows<DT>(ob, o_acc, n0, r0, g, t4, len, o_sn, v0, dv_here, ovec_full);
-      __syncthreads();  // (B) done with the state copy and with this stage
+#ifdef RTK_PROBE_NO_STORE
+      if (o_acc[0][0] == 1.2345e-30f)
+#endif
+      if (WG && osend)
+        rtk_chunk_send_rows<DT, NT, L::OS>(ob, o_acc, rtk_smem_addr(sm + L::O + stage * C * L::OS), n0, r0, lane,
+                                           len, o_sn, v0);
+      else
+        rtk_chunk_store_rows<DT>(ob, o_acc, n0, r0, g, t4, len, o_sn, v0, dv_here, ovec_full);
+      v_bad = out_end(chunk);  // done with this stage and this state copy
     }
+    if (WG && osend) rtk_bulk_wait_all<0>();
   } else {
     // ---- state warps: fp32 state in registers, 16-bit copy in shared memory --------------------
     const int sr0 = (warp - 4) * MT * 16;  // first state row of a state warp
@@ -630,7 +685,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
     const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, mode == RTK_MODE_FOLD ? 0 : state_slot};
     if (mode == RTK_MODE_FOLD) sf.fold(s_acc, init_state, log_decay[h], seg_len, gridDim.x);
     else sf.load(s_acc, init_state);
-    auto publish_max = [&](int slot) {  // fp16: before a barrier the output warps also pass
+    auto publish_max = [&](int slot) {  // fp16
       if (DT != RTK_F16) return;
       float m = 0.f;
       #pragma unroll
@@ -644,26 +699,45 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
       for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
       if (lane == 0) s_red[slot * 4 + warp - 4] = fin ? m : -1.f;
     };
-    auto store_state_copy = [&](int slot) {  // after that barrier
+    // the copy of S entering chunk c: copy c % 2, with fp16 scaling slot c % 2 (publish_max,
+    // then a barrier of the state warps, then this)
+    auto store_state_copy = [&](int slot) {
       const float mul = DT == RTK_F16 ? exp2f((float)copy_exponent(slot)) : 1.f;
-      rtk_u16* sS = sm + L::S;
+      rtk_u16* sS = sm + L::S + (L::NCOPY == 2 ? slot : 0) * L::SCOPY;
       sf.pairs(s_acc, [&](int r, int c, float lo, float hi) {
         rtk_store_pair<DT>(sS + L::s_off(r, c >> 3) + (c & 7), lo * mul, hi * mul);
       });
     };
-    publish_max(1);
-    __syncthreads();  // (matches the output warps' start barrier)
-    store_state_copy(1);
+    auto next_copy = [&](int slot) {
+      publish_max(slot);
+      if (DT == RTK_F16) rtk_named_sync(1, 128);
+#ifdef RTK_PROBE_NO_COPY
+      if (slot < 0)
+#endif
+      store_state_copy(slot);
+    };
+    load_chunk(0, 0);
+    rtk_cp_async_commit();
+    next_copy(0);
+    end_period(0);
     for (int chunk = 0; chunk < nchunks; ++chunk) {
-      begin_chunk(chunk);
       const int stage = chunk & 1;
+#ifndef RTK_PROBE_NO_LOAD
+      if (chunk + 1 < nchunks) load_chunk(chunk + 1, stage ^ 1);  // its stage was read in period c - 1
+#endif
+      rtk_cp_async_commit();
       const int n0 = chunk * C;
       const int len = min(C, NS - n0);
       const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
       const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
       // ---- state warps: S = gamma^len S + (K * w)^T V, w_s = gamma^(len-1-s) ----------------
 #ifdef RTK_PROBE_NO_STATE
-      if (chunk >= 0) { publish_max(chunk & 1); __syncthreads(); store_state_copy(chunk & 1); continue; }
+      if (chunk >= 0) {
+        if (L::NCOPY == 1) __syncthreads();
+        if (chunk + 1 < nchunks) next_copy(stage ^ 1);
+        end_period(chunk + 1);
+        continue;
+      }
 #endif
       const float carry = rtk_exp2(lg2 * (float)len);
       #pragma unroll
@@ -701,9 +775,11 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
           }
         }
       }
-      publish_max(chunk & 1);
-      __syncthreads();  // (B) the output warps are done with the state copy, everyone with this stage
-      store_state_copy(chunk & 1);
+      // the copy of S entering chunk c + 1 (its buffer was read in period c - 1; with one copy,
+      // after the output warps are done with it)
+      if (L::NCOPY == 1) __syncthreads();
+      if (chunk + 1 < nchunks) next_copy(stage ^ 1);
+      end_period(chunk + 1);
     }
     if (mode != RTK_MODE_FOLD || blockIdx.z + 1 == gridDim.z) sf.store(s_acc, final_state);
   }

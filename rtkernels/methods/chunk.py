@@ -147,11 +147,15 @@ def name_expression(config: tuple) -> str:
 
 
 def smem_bytes(kmax: int, bv: int, wg: bool = False) -> int:
-    """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in chunk.cu)."""
+    """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in chunk.cu): two stages
+    of q/k/v tiles, two 16-bit state copies (one for KMAX 256), and with ``wg`` two buffers of output
+    rows."""
     c = CHUNK_KERNEL
-    if wg:  # 128-byte-swizzled tiles without padding, + slack to align the base to 1024 bytes
-        return 2 * (2 * (2 * c * kmax + c * bv) + kmax * bv) + 32 + 1024
-    return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + kmax * (bv + 8)) + 32
+    copies = 1 if kmax == 256 else 2
+    if wg:  # 128-byte-swizzled tiles without padding, two output-row buffers (rows padded by 16
+        # bytes), + slack to align the base to 1024 bytes
+        return 2 * (2 * (2 * c * kmax + c * bv) + copies * kmax * bv + 2 * c * (bv + 8)) + 32 + 1024
+    return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + copies * kmax * (bv + 8)) + 32
 
 
 def f32_smem_bytes(kmax: int, bv: int, stages: int = 2) -> int:

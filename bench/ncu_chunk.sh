@@ -1,0 +1,13 @@
+#!/bin/bash
+# Nsight Compute over the chunk kernels: bench/ncu_chunk.sh OUTDIR CASE [CASE ...] (see
+# bench/profile_chunk.py). Per case (the report itself in /tmp): the details page, the SASS source page
+# (CSV) and the most-stalled SASS lines.
+out=$1; shift
+for c in "$@"; do
+  ncu --clock-control none --kernel-name regex:rtk_chunk --launch-skip 2 --launch-count 2 --set full \
+      --import-source no -f -o "/tmp/$c" python3 -m bench.profile_chunk run "$c" > "/tmp/$c.ncu.log" 2>&1 || tail -5 "/tmp/$c.ncu.log"
+  ncu -i "/tmp/$c.ncu-rep" --page details > "$out/$c.details.txt" 2>&1
+  ncu -i "/tmp/$c.ncu-rep" --page source --csv --print-source sass > "$out/$c.sass.csv" 2>&1
+  echo "== $c"; grep -E "Duration|Registers Per|Achieved Occupancy|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Warp Cycles Per Issued|Issue Slots Busy|Executed Ipc A" "$out/$c.details.txt" | head -30
+  python3 -m bench.profile_chunk top "$out/$c.sass.csv" 2>&1 | head -45
+done
