@@ -1305,35 +1305,35 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
       if (!states_only) {
         // the q S piece, from the state copy as it entered the chunk, as raw fp32 sums
         const float* sQ = sm + stage * L::STAGE + L::Q;
-        float pacc[HT][4];
-        rtk_zero(pacc);
+        float pacc[1][HT][4];
+        rtk_zero(pacc[0]);
         #pragma unroll RTK_F32_KUNROLL
         for (int kq = 0; kq < kt_used; ++kq) {
           // A = q rows 16 prb + g (+8), columns 8 kq + t4 (+4): bank 4 g + t4 (+const)
-          rtk_u32 ah[4], al[4];
+          rtk_u32 pa_h[1][4], pa_l[1][4];
           const float* qa = sQ + (16 * prb + g) * KS + kq * 8 + t4;
-          rtk_split_tf32<EXACT>(qa[0], ah[0], al[0]);
-          rtk_split_tf32<EXACT>(qa[8 * KS], ah[1], al[1]);
-          rtk_split_tf32<EXACT>(qa[4], ah[2], al[2]);
-          rtk_split_tf32<EXACT>(qa[8 * KS + 4], ah[3], al[3]);
+          rtk_split_tf32<EXACT>(qa[0], pa_h[0][0], pa_l[0][0]);
+          rtk_split_tf32<EXACT>(qa[8 * KS], pa_h[0][1], pa_l[0][1]);
+          rtk_split_tf32<EXACT>(qa[4], pa_h[0][2], pa_l[0][2]);
+          rtk_split_tf32<EXACT>(qa[8 * KS + 4], pa_h[0][3], pa_l[0][3]);
           // B = state copy rows 8 kq + t4 (+4), column (pn0 + nt) * 8 + g: bank 8 t4 + g (+const)
           const float* sb = sS + (kq * 8 + t4) * SS + pn0 * 8 + g;
+          rtk_u32 bh[HT][2], bl[HT][2];
           #pragma unroll
           for (int nt = 0; nt < HT; ++nt) {
-            rtk_u32 bh0, bl0, bh1, bl1;
-            rtk_split_tf32<EXACT>(sb[nt * 8], bh0, bl0);
-            rtk_split_tf32<EXACT>(sb[4 * SS + nt * 8], bh1, bl1);
-            rtk_mma1688_x3<EXACT>(pacc[nt], ah, al, bh0, bh1, bl0, bl1);
+            rtk_split_tf32<EXACT>(sb[nt * 8], bh[nt][0], bl[nt][0]);
+            rtk_split_tf32<EXACT>(sb[4 * SS + nt * 8], bh[nt][1], bl[nt][1]);
           }
+          rtk_mma1688_x3_grid<EXACT>(pacc, pa_h, pa_l, bh, bl, [](int, int) { return true; });
         }
         // 16 bytes per lane and n-tile, consecutive lanes: conflict-free
         #pragma unroll
         for (int nt = 0; nt < HT; ++nt) {
           float4 x;
-          x.x = pacc[nt][0];
-          x.y = pacc[nt][1];
-          x.z = pacc[nt][2];
-          x.w = pacc[nt][3];
+          x.x = pacc[0][nt][0];
+          x.y = pacc[0][nt][1];
+          x.z = pacc[0][nt][2];
+          x.w = pacc[0][nt][3];
           sP[(sw * HT + nt) * 32 + lane] = x;
         }
         rtk_f32_pieces_arrive();  // output warps 1..3 may read the piece
@@ -1367,16 +1367,14 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
         }
         // B = v rows sa, sb, column nt*8 + g: bank 4 t4 + g, conflict-free
         const float* vr = sV + sa * VS + g;
+        rtk_u32 bh[NT][2], bl[NT][2];
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          rtk_u32 bh0, bl0, bh1, bl1;
-          rtk_split_tf32<EXACT>(vr[nt * 8], bh0, bl0);
-          rtk_split_tf32<EXACT>(vr[4 * VS + nt * 8], bh1, bl1);
-          #pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-            if (all_mt || sr0 + mt * 16 < Dk)  // m-tiles wholly past Dk stay zero
-              rtk_mma1688_x3<EXACT>(d_acc[mt][nt], ah[mt], al[mt], bh0, bh1, bl0, bl1);
+          rtk_split_tf32<EXACT>(vr[nt * 8], bh[nt][0], bl[nt][0]);
+          rtk_split_tf32<EXACT>(vr[4 * VS + nt * 8], bh[nt][1], bl[nt][1]);
         }
+        // m-tiles wholly past Dk stay zero
+        rtk_mma1688_x3_grid<EXACT>(d_acc, ah, al, bh, bl, [&](int mt, int) { return all_mt || sr0 + mt * 16 < Dk; });
       }
       };
       if (sr0 + (MT - 1) * 16 < Dk) delta_steps(true); else delta_steps(false);

@@ -244,6 +244,33 @@ __device__ __forceinline__ void rtk_mma1688_x3(float (&d)[4], const rtk_u32 (&ah
   }
   rtk_mma1688_tf32(d, ah, bh0, bh1);
 }
+// D[m][n] += A[m] B[n] over an M x N grid of fragments from split operands (B as rtk_mma1688_x3
+// takes it: [n][0], [n][1] the two registers), in three sweeps over the grid -- every lo * hi',
+// then every hi * lo', then every hi * hi' -- so that an mma never waits for the one just before
+// it; each accumulator still adds the terms in rtk_mma1688_x3's order (bit-identical results).
+// use(m, n): whether the pair is computed (a compile-time true in the usual case).
+template <bool EXACT, int M, int N, class Use>
+__device__ __forceinline__ void rtk_mma1688_x3_grid(float (&d)[M][N][4], const rtk_u32 (&ah)[M][4],
+                                                    const rtk_u32 (&al)[M][4], const rtk_u32 (&bh)[N][2],
+                                                    const rtk_u32 (&bl)[N][2], Use use) {
+  if (EXACT) {
+    #pragma unroll
+    for (int n = 0; n < N; ++n)
+      #pragma unroll
+      for (int m = 0; m < M; ++m)
+        if (use(m, n)) rtk_mma1688_tf32(d[m][n], al[m], bh[n][0], bh[n][1]);
+    #pragma unroll
+    for (int n = 0; n < N; ++n)
+      #pragma unroll
+      for (int m = 0; m < M; ++m)
+        if (use(m, n)) rtk_mma1688_tf32(d[m][n], ah[m], bl[n][0], bl[n][1]);
+  }
+  #pragma unroll
+  for (int n = 0; n < N; ++n)
+    #pragma unroll
+    for (int m = 0; m < M; ++m)
+      if (use(m, n)) rtk_mma1688_tf32(d[m][n], ah[m], bh[n][0], bh[n][1]);
+}
 // True for fp32 Inf and NaN (exponent bits all ones).
 __device__ __forceinline__ bool rtk_nonfinite(float x) {
   return (__float_as_uint(x) & 0x7F800000u) == 0x7F800000u;
