@@ -392,6 +392,11 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
   RTK_FWD_SIZES;
   const bool states_only = mode == RTK_MODE_STATES;
   typedef rtk_chunk_smem<KMAX, BV, WG> L;
+  // A second CTA barrier per chunk, before the state warps write the next state copy: with one
+  // copy (KMAX 256), and for fp16, whose copy is scaled by the 4 state warps' common maximum
+  // (a barrier of the state warps alone would do, but compute-sanitizer's racecheck reported
+  // hazards on the copy with it in the mma.sync kernel).
+  constexpr bool SERIAL = L::NCOPY == 1 || DT == RTK_F16;
   constexpr int C = L::C, KS = L::KS, VS = L::VS;
   constexpr int NT = BV / 8;          // n-tiles of the value columns
   constexpr int MT = KMAX / 64;       // m-tiles of state rows per state warp
@@ -491,9 +496,10 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
     // the wgmma kernel sends whole, 16-byte aligned output rows with bulk copies
     const bool osend = WG && ovec_full && o_sn % 8 == 0 && (reinterpret_cast<size_t>(ob + v0) & 15) == 0;
     float s_inv = 1.f;  // the state copy holds S * 2^e (fp16); s_inv = 2^-e
-    bool v_bad = end_period(0);  // chunk 0 and the first state copy are in place
+    if (SERIAL) __syncthreads();  // (the state warps' next_copy)
+    bool v_bad = end_period(0);   // chunk 0 and the first state copy are in place
     auto out_end = [&](int chunk) -> bool {
-      if (L::NCOPY == 1) __syncthreads();  // done with the one state copy
+      if (SERIAL) __syncthreads();  // done with the state copy (the state warps' next_copy)
       return end_period(chunk + 1);
     };
 
@@ -699,8 +705,8 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
       for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
       if (lane == 0) s_red[slot * 4 + warp - 4] = fin ? m : -1.f;
     };
-    // the copy of S entering chunk c: copy c % 2, with fp16 scaling slot c % 2 (publish_max,
-    // then a barrier of the state warps, then this)
+    // the copy of S entering chunk c: copy c % 2, with fp16 scaling slot c % 2 (after publish_max
+    // and a CTA barrier)
     auto store_state_copy = [&](int slot) {
       const float mul = DT == RTK_F16 ? exp2f((float)copy_exponent(slot)) : 1.f;
       rtk_u16* sS = sm + L::S + (L::NCOPY == 2 ? slot : 0) * L::SCOPY;
@@ -708,17 +714,19 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
         rtk_store_pair<DT>(sS + L::s_off(r, c >> 3) + (c & 7), lo * mul, hi * mul);
       });
     };
-    auto next_copy = [&](int slot) {
+    // once per period (and before the first): with SERIAL a CTA barrier between publishing the
+    // fp16 maximum and writing the copy (and, with one copy, after the output warps' reads of it)
+    auto next_copy = [&](int slot, bool store) {
       publish_max(slot);
-      if (DT == RTK_F16) rtk_named_sync(1, 128);
+      if (SERIAL) __syncthreads();
 #ifdef RTK_PROBE_NO_COPY
-      if (slot < 0)
+      store = false;
 #endif
-      store_state_copy(slot);
+      if (store) store_state_copy(slot);
     };
     load_chunk(0, 0);
     rtk_cp_async_commit();
-    next_copy(0);
+    next_copy(0, true);
     end_period(0);
     for (int chunk = 0; chunk < nchunks; ++chunk) {
       const int stage = chunk & 1;
@@ -733,8 +741,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
       // ---- state warps: S = gamma^len S + (K * w)^T V, w_s = gamma^(len-1-s) ----------------
 #ifdef RTK_PROBE_NO_STATE
       if (chunk >= 0) {
-        if (L::NCOPY == 1) __syncthreads();
-        if (chunk + 1 < nchunks) next_copy(stage ^ 1);
+        next_copy(stage ^ 1, chunk + 1 < nchunks);
         end_period(chunk + 1);
         continue;
       }
@@ -777,8 +784,7 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
       }
       // the copy of S entering chunk c + 1 (its buffer was read in period c - 1; with one copy,
       // after the output warps are done with it)
-      if (L::NCOPY == 1) __syncthreads();
-      if (chunk + 1 < nchunks) next_copy(stage ^ 1);
+      next_copy(stage ^ 1, chunk + 1 < nchunks);
       end_period(chunk + 1);
     }
     if (mode != RTK_MODE_FOLD || blockIdx.z + 1 == gridDim.z) sf.store(s_acc, final_state);

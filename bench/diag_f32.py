@@ -1,0 +1,52 @@
+"""Scratch: the fp32 chunk kernel's tiles at (4, 32, 4096, 128): time (kernel only) and error of
+several (BV, STAGES, MINB) instances, both modes.   python -m bench.diag_f32 [B H N D]"""
+import math
+import sys
+
+import torch
+
+import rtkernels
+from rtkernels.decay import LogDecay
+from rtkernels.methods import chunk
+from rtkernels.methods._launch import fwd_args
+from rtkernels.runtime import get_function, launch
+
+TILES = [(64, 2, 1), (32, 2, 1), (32, 1, 1), (32, 1, 2), (64, 1, 1), (64, 1, 2)]
+
+
+def main():
+    b, h, n, d = (int(x) for x in sys.argv[1:5]) if len(sys.argv) >= 5 else (4, 32, 4096, 128)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda") / d ** 0.25 for _ in range(3))
+    ref = rtkernels.causal_linear_attention(q[:1].double(), k[:1].double(), v[:1].double(), 0.99, method="chunk")
+    ld = LogDecay(q.device, host=tuple(math.log(0.99) for _ in range(h)))
+    kmax = chunk._kmax(d)
+    for exact in (True, False):
+        for bv, stages, minb in TILES:
+            name = f"rtk_chunk_fwd_f32<{kmax}, {bv}, {stages}, {str(exact).lower()}, true, {minb}>"
+            smem = chunk.f32_smem_bytes(kmax, bv, stages)
+            try:
+                fn = get_function(chunk.SOURCE, name, 0, dynamic_smem=smem)
+                out = torch.full_like(v, float("nan"))
+                args = (*fwd_args(q, k, v, out, ld, None, None, 1.0), n, 0)
+                f = lambda: launch(fn, (b * h, -(-d // bv), 1), (256, 1, 1), args, 0, shared_mem=smem)
+                f()
+                torch.cuda.synchronize()
+                err = ((out[:1].double() - ref).norm() / ref.norm()).item()
+                for _ in range(3):
+                    f()
+                s, e = torch.cuda.Event(True), torch.cuda.Event(True)
+                s.record()
+                for _ in range(10):
+                    f()
+                e.record()
+                torch.cuda.synchronize()
+                a = fn.attributes
+                print(f"{name:50s} smem={smem:6d} {s.elapsed_time(e) / 10:.3f} ms err={err:.2e} "
+                      f"regs={a.get('num_regs')} local={a.get('local_size_bytes')}", flush=True)
+            except Exception as exc:  # noqa: BLE001 (scratch)
+                print(name, "FAILED", str(exc)[:200], flush=True)
+
+
+if __name__ == "__main__":
+    main()
