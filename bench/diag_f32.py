@@ -6,6 +6,7 @@ import sys
 import torch
 
 import rtkernels
+from bench.timing import back_to_back_ms
 from rtkernels.decay import LogDecay
 from rtkernels.methods import chunk
 from rtkernels.methods._launch import fwd_args
@@ -33,16 +34,9 @@ def main():
                 f()
                 torch.cuda.synchronize()
                 err = ((out[:1].double() - ref).norm() / ref.norm()).item()
-                for _ in range(3):
-                    f()
-                s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-                s.record()
-                for _ in range(10):
-                    f()
-                e.record()
-                torch.cuda.synchronize()
+                ms = back_to_back_ms(f, reps=10)
                 a = fn.attributes
-                print(f"{name:50s} smem={smem:6d} {s.elapsed_time(e) / 10:.3f} ms err={err:.2e} "
+                print(f"{name:50s} smem={smem:6d} {ms:.3f} ms err={err:.2e} "
                       f"regs={a.get('num_regs')} local={a.get('local_size_bytes')}", flush=True)
             except Exception as exc:  # noqa: BLE001 (scratch)
                 print(name, "FAILED", str(exc)[:200], flush=True)

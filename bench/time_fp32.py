@@ -1,24 +1,12 @@
 """Time the fp32 chunk kernel in both modes (and bf16 for comparison) at one shape; check the error
-of one batch against fp64. Usage: python bench/time_fp32.py [B H N D]  (default 4 32 4096 128)."""
+of one batch against fp64. Usage: python -m bench.time_fp32 [B H N D]  (default 4 32 4096 128)."""
 
 import sys
 
 import torch
 
 import rtkernels
-
-
-def time_ms(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+from bench.timing import back_to_back_ms
 
 
 def main():
@@ -37,14 +25,14 @@ def main():
     for mode in ("exact", "tf32"):
         def fn():
             return rtkernels.causal_linear_attention(q, k, v, decay, method="chunk", fp32_precision=mode)
-        ms = time_ms(fn)
+        ms = back_to_back_ms(fn, reps=20)
         err = ""
         if ref is not None:
             o = fn()[:1].double()
             err = f"  rel. error (batch 0) {((o - ref).norm() / ref.norm()).item():.3g}"
         print(f"fp32 {mode:5s} ({b}, {h}, {n}, {d}): {ms:.3f} ms{err}")
     qb, kb, vb = (x.bfloat16() for x in (q, k, v))
-    ms = time_ms(lambda: rtkernels.causal_linear_attention(qb, kb, vb, decay, method="chunk"))
+    ms = back_to_back_ms(lambda: rtkernels.causal_linear_attention(qb, kb, vb, decay, method="chunk"), reps=20)
     print(f"bf16       ({b}, {h}, {n}, {d}): {ms:.3f} ms")
 
 

@@ -588,9 +588,6 @@ rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
           o_acc[nt][0] *= f_lo; o_acc[nt][1] *= f_lo;
           o_acc[nt][2] *= f_hi; o_acc[nt][3] *= f_hi;
         }
-#ifdef RTK_PROBE_NO_PV
-        if (chunk < 0)
-#endif
         if (!v_bad) {  // P v: P from registers, v from shared memory
           rtk_u32 a[4][4];
           #pragma unroll
