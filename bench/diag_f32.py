@@ -1,5 +1,6 @@
 """Scratch: the fp32 chunk kernel's tiles at (4, 32, 4096, 128): time (kernel only) and error of
-several (BV, STAGES, MINB) instances, both modes.   python -m bench.diag_f32 [B H N D]"""
+several (BV, STAGES, MINB) instances and compile-time knobs, both modes.
+python -m bench.diag_f32 [B H N D]"""
 import math
 import sys
 
@@ -12,7 +13,8 @@ from rtkernels.methods import chunk
 from rtkernels.methods._launch import fwd_args
 from rtkernels.runtime import get_function, launch
 
-TILES = [(64, 2, 1), (32, 2, 1), (32, 1, 1), (32, 1, 2), (64, 1, 1), (64, 1, 2)]
+TILES = [(64, 2, 1), (32, 2, 1), (64, 1, 1)]
+KNOBS = [(), ("-DRTK_PROBE_TF32_TRUNC",), ("-DRTK_F32_KUNROLL=2",)]
 
 
 def main():
@@ -23,20 +25,20 @@ def main():
     ld = LogDecay(q.device, host=tuple(math.log(0.99) for _ in range(h)))
     kmax = chunk._kmax(d)
     for exact in (True, False):
-        for bv, stages, minb in TILES:
+        for (bv, stages, minb), opts in [(t, ()) for t in TILES] + [(TILES[0], o) for o in KNOBS[1:]]:
             name = f"rtk_chunk_fwd_f32<{kmax}, {bv}, {stages}, {str(exact).lower()}, true, {minb}>"
             smem = chunk.f32_smem_bytes(kmax, bv, stages)
             try:
-                fn = get_function(chunk.SOURCE, name, 0, dynamic_smem=smem)
+                fn = get_function(chunk.SOURCE, name, 0, extra_options=opts, dynamic_smem=smem)
                 out = torch.full_like(v, float("nan"))
                 args = (*fwd_args(q, k, v, out, ld, None, None, 1.0), n, 0)
-                f = lambda: launch(fn, (b * h, -(-d // bv), 1), (256, 1, 1), args, 0, shared_mem=smem)
+                f = lambda: launch(fn, (b * h, -(-d // bv), 1), (chunk.F32_THREADS, 1, 1), args, 0, shared_mem=smem)
                 f()
                 torch.cuda.synchronize()
                 err = ((out[:1].double() - ref).norm() / ref.norm()).item()
                 ms = back_to_back_ms(f, reps=10)
                 a = fn.attributes
-                print(f"{name:50s} smem={smem:6d} {ms:.3f} ms err={err:.2e} "
+                print(f"{name:50s} {' '.join(opts):24s} smem={smem:6d} {ms:.3f} ms err={err:.2e} "
                       f"regs={a.get('num_regs')} local={a.get('local_size_bytes')}", flush=True)
             except Exception as exc:  # noqa: BLE001 (scratch)
                 print(name, "FAILED", str(exc)[:200], flush=True)

@@ -982,25 +982,33 @@ rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // gri
 //   outputs the causal sum reaches (a one-pass version of rtk_chunk_mark_nonfinite, run by every
 //   output warp whenever the chunk's v holds one). Without VEC the loader threads check the
 //   values they store.
+// - Twelve warps (384 threads), not eight: the 4 output warps as in rtk_chunk_fwd and 8 state
+//   warps. State warp 4 + j (j = 0..7) holds rows 16 MT (j % 4) .. + 16 MT - 1 of the state and
+//   value columns (j / 4) BV/2 .. + BV/2 - 1 (a quarter of the rows, half the columns). Every
+//   warp's work is a chain of shared loads -> operand splits -> mma, so with two warps per SM
+//   sub-partition (the eight-warp layout: 1.31 ms at (4,32,4096,128) on an H200; ncu: stalls on
+//   fixed-latency dependencies, the state warps the critical group) the tensor pipe idled much
+//   of the time; a third warp per sub-partition (output warp w, state warps 4 + w and 8 + w)
+//   fills the gaps. Registers: at most 168 a thread (65536 / 384).
 // - The state warps take part of q S (the "pieces", below), so that the output warps, whose work
-//   grows with their rows, no longer hold everyone up at (B). Each output warp runs its own
-//   compiled copy of the output loop (out_loop inlined with W = its index as a constant), so its
-//   loops over key tiles and n-tiles have fixed bounds and no branches.
+//   grows with their rows, do not hold everyone up at (B). Each output warp runs its own compiled
+//   copy of the output loop (out_loop inlined with W = its index as a constant), so its loops over
+//   key tiles and n-tiles have fixed bounds and no branches.
 //
 // q S pieces. Per chunk, output warp w does q S for its 16 rows (KMAX/8 k-steps x NT n-tiles of
 // m16n8k8 mma), then the scores of its rows against keys 0 .. 16w+15 and P V over those keys; for
-// KMAX = 128, BV = 64 that is 128 + 48 (w + 1) mma (x3 with EXACT): 176, 224, 272, 320, against 128
-// for a state warp. So q S is cut into pieces of 16 rows x BV/2 columns -- row block rb (the rows
-// of output warp rb) and half hf (n-tiles hf NT/2 .. hf NT/2 + NT/2 - 1) -- and the state warps
-// compute 4 of the 8:
+// KMAX = 128, BV = 64 that is 128 + 48 (w + 1) mma (x3 with EXACT): 176, 224, 272, 320, against 64
+// for a state warp's update. So q S is cut into pieces of 16 rows x BV/4 columns (QT = NT/4
+// n-tiles), and each state warp computes one of them (slot j = its index among the state warps):
 //
-//   row block 0: both halves by output warp 0
-//   row block 1: half 0 by output warp 1, half 1 by state warp 4 (slot 0)
-//   row block 2: half 0 by output warp 2, half 1 by state warp 5 (slot 1)
-//   row block 3: half 0 by state warp 6 (slot 2), half 1 by state warp 7 (slot 3)
+//   row block 0 (output warp 0): all of it by output warp 0
+//   row block 1: quarters 0..2 by output warp 1, quarter 3 by slot 0
+//   row block 2: quarter 0 by output warp 2, quarters 1..3 by slots 1..3
+//   row block 3: quarters 0..3 by slots 4..7
 //
 // Each piece is computed exactly once, for every tile (BV 32 or 64, KMAX 64, 128 or 256); with
-// KMAX = 128, BV = 64 the output warps do 176, 160, 208, 192 mma per chunk and the state warps 192.
+// KMAX = 128, BV = 64 the output warps do 176, 192, 176, 192 mma per chunk and each state warp 96,
+// so that each sub-partition holds 368 to 384.
 // Protocol: a state warp computes its piece right after barrier (A), from the chunk's q tile and
 // the state copy -- still the state entering the chunk, as the state warps rewrite the copy only
 // after (B) --, stores the raw fp32 sums (no decay factor) in its slot of the piece buffer, in
@@ -1008,7 +1016,7 @@ rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // gri
 // elements it needs, conflict-free), arrives at named barrier 1 (bar.arrive: it does not wait) and
 // goes on with the state update. Output warps 1..3 wait at barrier 1 (bar.sync) once their own mma
 // work is done and add their pieces to the outputs with the factors q S gets: gamma^(r0+1), then
-// the row factor gamma^(t-r0) * scale. Barrier 1 counts 224 threads, the 4 state warps and output
+// the row factor gamma^(t-r0) * scale. Barrier 1 counts 352 threads, the 8 state warps and output
 // warps 1..3 (output warp 0 takes no piece and never uses it); each of these passes it once per
 // chunk of a pass with outputs and never in the states-only pass (both sides skip it there).
 // Reuse: the pieces of chunk c+1 are written after (A) of chunk c+1, which no thread passes before
@@ -1025,9 +1033,10 @@ struct rtk_chunk_f32_smem {
   static constexpr int Q = 0, K = Q + C * KS, V = K + C * KS;
   static constexpr int STAGE = V + C * VS;
   static constexpr int S = STAGES * STAGE;  // the state copy, KMAX x SS
-  static constexpr int P = S + KMAX * SS;   // the 4 q S pieces of the state warps (16-byte aligned)
-  static constexpr int PIECE = 8 * BV;      // floats of one piece: 16 rows x BV/2 columns
-  static constexpr int ELEMS = P + 4 * PIECE;
+  static constexpr int P = S + KMAX * SS;   // the 8 q S pieces of the state warps (16-byte aligned)
+  static constexpr int PIECE = 4 * BV;      // floats of one piece: 16 rows x BV/4 columns
+  static constexpr int ELEMS = P + 8 * PIECE;
+  static constexpr int THREADS = 384;       // 4 output warps, 8 state warps
   static constexpr int BYTES = ELEMS * 4;
 };
 
@@ -1035,24 +1044,26 @@ struct rtk_chunk_f32_smem {
 #define RTK_F32_KUNROLL 1
 #endif
 
-// Named barrier 1 of rtk_chunk_fwd_f32 (the q S pieces, see above): 224 threads, the 4 state warps
+// Named barrier 1 of rtk_chunk_fwd_f32 (the q S pieces, see above): 352 threads, the 8 state warps
 // arrive, output warps 1..3 wait. Both order this thread's earlier shared-memory accesses before
 // the barrier completes (the "memory" clobbers keep the compiler from moving them across).
-__device__ __forceinline__ void rtk_f32_pieces_arrive() { asm volatile("bar.arrive 1, 224;" ::: "memory"); }
-__device__ __forceinline__ void rtk_f32_pieces_wait() { asm volatile("bar.sync 1, 224;" ::: "memory"); }
+__device__ __forceinline__ void rtk_f32_pieces_arrive() { asm volatile("bar.arrive 1, 352;" ::: "memory"); }
+__device__ __forceinline__ void rtk_f32_pieces_wait() { asm volatile("bar.sync 1, 352;" ::: "memory"); }
 
 template <int KMAX, int BV, int STAGES, bool EXACT, bool VEC, int MINB>
-__global__ void __launch_bounds__(256, MINB)
+__global__ void __launch_bounds__(rtk_chunk_f32_smem<KMAX, BV, STAGES>::THREADS, MINB)
 rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
   RTK_FWD_SIZES;
   typedef rtk_chunk_f32_smem<KMAX, BV, STAGES> L;
   constexpr int C = L::C, KS = L::KS, VS = L::VS, SS = L::SS;
   constexpr int NT = BV / 8;     // 8-wide n-tiles of the value columns
-  constexpr int HT = NT / 2;     // n-tiles of a q S piece
+  constexpr int HT = NT / 2;     // n-tiles of a state warp's columns (half the tile)
+  constexpr int QT = NT / 4;     // n-tiles of a q S piece (a quarter)
   constexpr int MT = KMAX / 64;  // 16-row m-tiles of state rows per state warp (KMAX / 4 rows)
-  static_assert(BV % 16 == 0 && KMAX % 64 == 0 && (STAGES == 1 || STAGES == 2), "bad tile");
+  constexpr int LT = L::THREADS - 128;  // loader threads: the state warps
+  static_assert(BV % 32 == 0 && KMAX % 64 == 0 && (STAGES == 1 || STAGES == 2), "bad tile");
   static_assert(KS % 32 == 4 && VS % 32 == 4 && SS % 32 == 8, "padding: see the bank notes");
-  static_assert(L::P % 4 == 0 && L::PIECE == HT * 32 * 4, "piece buffer: float4 per lane and n-tile");
+  static_assert(L::P % 4 == 0 && L::PIECE == QT * 32 * 4, "piece buffer: float4 per lane and n-tile");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* const sm = reinterpret_cast<float*>(smem_raw);
@@ -1062,7 +1073,7 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
   RTK_CHUNK_CTA(float, 3);  // k-steps of 8 columns
   const float lgd = log_decay[h];  // log(gamma)
 
-  typedef rtk_chunk_loader<float, KMAX, BV> LD;
+  typedef rtk_chunk_loader<float, KMAX, BV, LT> LD;
   const LD ld(tid - 128, Dk, dv_here, qb, kb, vb, q_sn, k_sn, v_sn);
   constexpr int VROWS = LD::VROWS;
   const int st = ld.st, vcol = ld.vcol, vrow = ld.vrow;
@@ -1079,7 +1090,7 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
       return false;
     } else {
       #pragma unroll 4
-      for (int e = st; e < C * KMAX; e += 128) {
+      for (int e = st; e < C * KMAX; e += LT) {
         const int r = e / KMAX, col = e - r * KMAX;
         const rtk_i64 n = (rtk_i64)n0 + r;
         const bool ok = n < NS && col < Dk;
@@ -1088,7 +1099,7 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
       }
       bool bad = false;
       #pragma unroll 4
-      for (int e = st; e < C * BV; e += 128) {
+      for (int e = st; e < C * BV; e += LT) {
         const int r = e / BV, col = e - r * BV;
         const rtk_i64 n = (rtk_i64)n0 + r;
         const float x = (n < NS && col < dv_here) ? vb[n * v_sn + col] : 0.f;
@@ -1144,7 +1155,7 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
     auto out_loop = [&](const int W) {
       const int r0 = 16 * W;
       // n-tiles 0 .. OWN-1 of this warp's q S are computed here, the rest come as pieces
-      const int OWN = W == 0 ? NT : (W == 3 ? 0 : HT);
+      const int OWN = W == 0 ? NT : (W == 1 ? 3 * QT : (W == 2 ? QT : 0));
       const rtk_chunk_decay dec(lg2, scale, g, t4, r0);  // as in rtk_chunk_fwd
 
       for (int chunk = 0; chunk < nchunks; ++chunk) {
@@ -1242,8 +1253,8 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
           rtk_f32_pieces_wait();
           #pragma unroll
           for (int nt = OWN; nt < NT; ++nt) {
-            const int slot = W == 3 ? 2 + nt / HT : W - 1;
-            const float4 x = sP[(slot * HT + nt % HT) * 32 + lane];
+            const int slot = W == 1 ? 0 : (W == 2 ? nt / QT : 4 + nt / QT);
+            const float4 x = sP[(slot * QT + nt % QT) * 32 + lane];
             o_acc[nt][0] = fmaf(x.x * dec.inter0, dec.row_lo, o_acc[nt][0]);
             o_acc[nt][1] = fmaf(x.y * dec.inter0, dec.row_lo, o_acc[nt][1]);
             o_acc[nt][2] = fmaf(x.z * dec.inter0, dec.row_hi, o_acc[nt][2]);
@@ -1282,17 +1293,19 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
       default: out_loop(3); break;
     }
   } else {
-    // ---- state warps: fp32 state in registers (rows sr0 .. sr0 + KMAX/4 - 1), fp32 copy in smem
-    const int sw = warp - 4;  // also the slot of this warp's q S piece
-    const int sr0 = sw * MT * 16;
-    // this warp's q S piece (see above): rows of output warp prb, n-tiles pn0 .. pn0 + HT - 1
-    const int prb = min(sw + 1, 3), pn0 = sw == 2 ? 0 : HT;
-    float s_acc[MT][NT][4];
-    const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, state_slot};
+    // ---- state warps: fp32 state in registers (rows sr0 .. sr0 + KMAX/4 - 1, columns cb .. cb +
+    // BV/2 - 1 of the tile), fp32 copy in smem
+    const int sw = warp - 4;  // 0..7, also the slot of this warp's q S piece
+    const int sr0 = (sw & 3) * MT * 16, cb = (sw >> 2) * HT * 8;
+    // this warp's q S piece (see above): rows of output warp prb, n-tiles pn0 .. pn0 + QT - 1
+    const int prb = sw == 0 ? 1 : (sw < 4 ? 2 : 3);
+    const int pn0 = (sw == 0 ? 3 : (sw < 4 ? sw : sw - 4)) * QT;
+    float s_acc[MT][HT][4];
+    const rtk_chunk_state<MT, HT> sf = {sr0, g, t4, bh, Dk, Dv, v0 + cb, dv_here - cb, state_slot};
     sf.load(s_acc, init_state);
     // float2 stores at row r, columns c, c+1: bank 8 g + 2 t4 (+1) per half warp, conflict-free
     auto store_state_copy = [&]() {
-      sf.pairs(s_acc, [&](int r, int c, float lo, float hi) { rtk_store_pair<RTK_F32>(sS + r * SS + c, lo, hi); });
+      sf.pairs(s_acc, [&](int r, int c, float lo, float hi) { rtk_store_pair<RTK_F32>(sS + r * SS + cb + c, lo, hi); });
     };
     // gamma^C of a whole chunk in double precision, rounded once
     const float carry_full = (float)exp((double)lgd * (double)C);
@@ -1308,7 +1321,7 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
       if (!states_only) {
         // the q S piece, from the state copy as it entered the chunk, as raw fp32 sums
         const float* sQ = sm + stage * L::STAGE + L::Q;
-        float pacc[1][HT][4];
+        float pacc[1][QT][4];
         rtk_zero(pacc[0]);
         #pragma unroll RTK_F32_KUNROLL
         for (int kq = 0; kq < kt_used; ++kq) {
@@ -1321,9 +1334,9 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
           rtk_split_tf32<EXACT>(qa[8 * KS + 4], pa_h[0][3], pa_l[0][3]);
           // B = state copy rows 8 kq + t4 (+4), column (pn0 + nt) * 8 + g: bank 8 t4 + g (+const)
           const float* sb = sS + (kq * 8 + t4) * SS + pn0 * 8 + g;
-          rtk_u32 bh[HT][2], bl[HT][2];
+          rtk_u32 bh[QT][2], bl[QT][2];
           #pragma unroll
-          for (int nt = 0; nt < HT; ++nt) {
+          for (int nt = 0; nt < QT; ++nt) {
             rtk_split_tf32<EXACT>(sb[nt * 8], bh[nt][0], bl[nt][0]);
             rtk_split_tf32<EXACT>(sb[4 * SS + nt * 8], bh[nt][1], bl[nt][1]);
           }
@@ -1331,22 +1344,22 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
         }
         // 16 bytes per lane and n-tile, consecutive lanes: conflict-free
         #pragma unroll
-        for (int nt = 0; nt < HT; ++nt) {
+        for (int nt = 0; nt < QT; ++nt) {
           float4 x;
           x.x = pacc[0][nt][0];
           x.y = pacc[0][nt][1];
           x.z = pacc[0][nt][2];
           x.w = pacc[0][nt][3];
-          sP[(sw * HT + nt) * 32 + lane] = x;
+          sP[(sw * QT + nt) * 32 + lane] = x;
         }
         rtk_f32_pieces_arrive();  // output warps 1..3 may read the piece
       }
       // delta = (K * w)^T V, w_s = gamma^(len-1-s), over 8-token k-steps s0 = 8 kk
-      float d_acc[MT][NT][4];
+      float d_acc[MT][HT][4];
       #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < HT; ++nt)
           #pragma unroll
           for (int e = 0; e < 4; ++e) d_acc[mt][nt][e] = 0.f;
       // all_mt: every m-tile of this warp holds rows < Dk (the usual case: no condition around the
@@ -1368,11 +1381,11 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
           rtk_split_tf32<EXACT>(ka[4 * KS + mt * 16] * wb, ah[mt][2], al[mt][2]);
           rtk_split_tf32<EXACT>(ka[4 * KS + mt * 16 + 8] * wb, ah[mt][3], al[mt][3]);
         }
-        // B = v rows sa, sb, column nt*8 + g: bank 4 t4 + g, conflict-free
-        const float* vr = sV + sa * VS + g;
-        rtk_u32 bh[NT][2], bl[NT][2];
+        // B = v rows sa, sb, column cb + nt*8 + g: bank 4 t4 + g (+const), conflict-free
+        const float* vr = sV + sa * VS + cb + g;
+        rtk_u32 bh[HT][2], bl[HT][2];
         #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int nt = 0; nt < HT; ++nt) {
           rtk_split_tf32<EXACT>(vr[nt * 8], bh[nt][0], bl[nt][0]);
           rtk_split_tf32<EXACT>(vr[4 * VS + nt * 8], bh[nt][1], bl[nt][1]);
         }
@@ -1386,7 +1399,7 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
       #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
         #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int nt = 0; nt < HT; ++nt)
           #pragma unroll
           for (int e = 0; e < 4; ++e) s_acc[mt][nt][e] = fmaf(s_acc[mt][nt][e], carry, d_acc[mt][nt][e]);
       __syncthreads();  // (B) the output warps are done with the state copy, everyone with this stage

@@ -220,7 +220,11 @@ __device__ __forceinline__ rtk_u32 rtk_tf32(float x) {
 // computed for it).
 template <bool EXACT> __device__ __forceinline__ void rtk_split_tf32(float x, rtk_u32& hi, rtk_u32& lo) {
   if (EXACT) {
+#ifdef RTK_PROBE_TF32_TRUNC  // scratch knob (bench/diag_f32.py): hi truncated, one integer instruction
+    hi = __float_as_uint(x) & 0xFFFFE000u;
+#else
     hi = (__float_as_uint(x) + 0x1000u) & 0xFFFFE000u;
+#endif
     lo = __float_as_uint(x - __uint_as_float(hi));
   } else {
     hi = rtk_tf32(x);

@@ -158,12 +158,16 @@ def smem_bytes(kmax: int, bv: int, wg: bool = False) -> int:
     return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + copies * kmax * (bv + 8)) + 32
 
 
+#: Threads of a ``rtk_chunk_fwd_f32`` CTA (rtk_chunk_f32_smem::THREADS): 4 output warps, 8 state warps.
+F32_THREADS = 384
+
+
 def f32_smem_bytes(kmax: int, bv: int, stages: int = 2) -> int:
     """Dynamic shared memory of ``rtk_chunk_fwd_f32`` with ``stages`` stages (mirrors
     rtk_chunk_f32_smem in chunk.cu): per stage the q, k and v tiles, then the fp32 state copy and
-    the 4 q S pieces the state warps compute (16 x BV/2 floats each)."""
+    the 8 q S pieces the state warps compute (16 x BV/4 floats each)."""
     c = CHUNK_KERNEL
-    return 4 * (stages * (2 * c * (kmax + 4) + c * (bv + 4)) + kmax * (bv + 8) + 4 * 16 * (bv // 2))
+    return 4 * (stages * (2 * c * (kmax + 4) + c * (bv + 4)) + kmax * (bv + 8) + 8 * 16 * (bv // 4))
 
 
 def config_smem(config: tuple) -> int:
@@ -298,15 +302,9 @@ def segments_for(bh_tiles: int, n: int, sms: int, ctas_per_sm: int = 2) -> int:
 
 def ctas_per_sm(dtype: torch.dtype, dk: int, bv: int, wg: bool, smem_limit: int) -> int:
     """CTAs that share a multiprocessor, for :func:`segments_for`: the wgmma kernel 1 (its
-    registers), the 16-bit mma.sync kernel 2; the float32 kernel 2 when two of its CTAs fit
-    ``smem_limit`` bytes of shared memory (KMAX 64, BV 32), else 1."""
-    if wg:
-        return 1
-    if dtype != torch.float32:
-        return 2
-    kmax = _kmax(dk)
-    stages = f32_stages(kmax, bv, smem_limit)
-    return 2 if stages is not None and 2 * f32_smem_bytes(kmax, bv, stages) <= smem_limit else 1
+    registers), the 16-bit mma.sync kernel 2, the float32 kernel 1 (384 threads of up to 168
+    registers: two CTAs never fit the register file, whatever the tile)."""
+    return 2 if not wg and dtype != torch.float32 else 1
 
 
 def value_tile(dv: int, bh: int, n: int, sms: int) -> int:
@@ -334,7 +332,8 @@ def _launch_of(config: Optional[tuple], nseg: int) -> tuple[str, int, int, int, 
     if config is None:
         raise ValueError("no rtk_chunk_fwd_f32 tile fits this GPU's shared memory")
     wg = not _is_f32(config) and config[5]
-    return name_expression(config), config[2], nseg, config_smem(config), 256, WGMMA_OPTIONS if wg else ()
+    threads = F32_THREADS if _is_f32(config) else 256
+    return name_expression(config), config[2], nseg, config_smem(config), threads, WGMMA_OPTIONS if wg else ()
 
 
 @functools.lru_cache(maxsize=4096)
