@@ -958,8 +958,8 @@ rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // gri
 // the states-only pass loads no q.
 //
 // EXACT (3xTF32): every mma operand x -- q, k, v, the decayed scores P, the state copy and
-// k_s * gamma^(len-1-s) -- is split as x = hi + lo (rtk_split_tf32: hi is x rounded to tf32 with
-// two integer instructions, lo = x - hi, exact, goes to the mma as raw fp32 bits) and each product
+// k_s * gamma^(len-1-s) -- is split as x = hi + lo (rtk_split_tf32: hi is x truncated to tf32 with
+// one logic instruction, lo = x - hi, exact, goes to the mma as raw fp32 bits) and each product
 // is formed as lo*hi' + hi*lo' + hi*hi' with fp32 accumulation: about fp32 accuracy. Without
 // EXACT: one TF32 mma per product (operands rounded to 10 mantissa bits by cvt.rna): about 1e-3
 // relative error.
@@ -982,14 +982,15 @@ rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // gri
 //   outputs the causal sum reaches (a one-pass version of rtk_chunk_mark_nonfinite, run by every
 //   output warp whenever the chunk's v holds one). Without VEC the loader threads check the
 //   values they store.
-// - Twelve warps (384 threads), not eight: the 4 output warps as in rtk_chunk_fwd and 8 state
-//   warps. State warp 4 + j (j = 0..7) holds rows 16 MT (j % 4) .. + 16 MT - 1 of the state and
-//   value columns (j / 4) BV/2 .. + BV/2 - 1 (a quarter of the rows, half the columns). Every
-//   warp's work is a chain of shared loads -> operand splits -> mma, so with two warps per SM
-//   sub-partition (the eight-warp layout: 1.31 ms at (4,32,4096,128) on an H200; ncu: stalls on
-//   fixed-latency dependencies, the state warps the critical group) the tensor pipe idled much
-//   of the time; a third warp per sub-partition (output warp w, state warps 4 + w and 8 + w)
-//   fills the gaps. Registers: at most 168 a thread (65536 / 384).
+// - EXACT runs twelve warps (384 threads): the 4 output warps as in rtk_chunk_fwd and NSW = 8
+//   state warps; state warp 4 + j (j = 0..7) holds rows 16 MT (j % 4) .. + 16 MT - 1 of the state
+//   and value columns (j / 4) BV/2 .. + BV/2 - 1 (a quarter of the rows, half the columns). Its
+//   warps mostly issue shared loads, operand splits and mma; a third warp per SM sub-partition
+//   (output warp w, state warps 4 + w and 8 + w) keeps the tensor pipe busier than two. Without
+//   EXACT (no splits) the extra warps cost more than they give: NSW = 4 state warps (all the
+//   columns each), 256 threads. Measured at (4,32,4096,128) on an H200, kernel only: EXACT 1.11 ms
+//   with 12 warps, 1.21 with 8; TF32 0.82 with 12, 0.74 with 8. Registers: at most 168 a thread
+//   with 384 threads (65536 / 384), 255 with 256.
 // - The state warps take part of q S (the "pieces", below), so that the output warps, whose work
 //   grows with their rows, do not hold everyone up at (B). Each output warp runs its own compiled
 //   copy of the output loop (out_loop inlined with W = its index as a constant), so its loops over
@@ -997,18 +998,22 @@ rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // gri
 //
 // q S pieces. Per chunk, output warp w does q S for its 16 rows (KMAX/8 k-steps x NT n-tiles of
 // m16n8k8 mma), then the scores of its rows against keys 0 .. 16w+15 and P V over those keys; for
-// KMAX = 128, BV = 64 that is 128 + 48 (w + 1) mma (x3 with EXACT): 176, 224, 272, 320, against 64
-// for a state warp's update. So q S is cut into pieces of 16 rows x BV/4 columns (QT = NT/4
-// n-tiles), and each state warp computes one of them (slot j = its index among the state warps):
+// KMAX = 128, BV = 64 that is 128 + 48 (w + 1) mma (x3 with EXACT): 176, 224, 272, 320, against
+// 128 (NSW = 4) or 64 (NSW = 8) for a state warp's update. So q S is cut into pieces of 16 rows x
+// PT n-tiles, PT = 2 NT / NSW (half the tile with 4 state warps, a quarter with 8), and each state
+// warp computes one of them (slot j = its index among the state warps; rtk_f32_pieces):
 //
-//   row block 0 (output warp 0): all of it by output warp 0
-//   row block 1: quarters 0..2 by output warp 1, quarter 3 by slot 0
-//   row block 2: quarter 0 by output warp 2, quarters 1..3 by slots 1..3
-//   row block 3: quarters 0..3 by slots 4..7
+//   NSW = 4                                        NSW = 8
+//   row block 0: all by output warp 0              all by output warp 0
+//   row block 1: half 0 by output warp 1, half 1   quarters 0..2 by output warp 1, quarter 3 by
+//                by slot 0                         slot 0
+//   row block 2: half 0 by output warp 2, half 1   quarter 0 by output warp 2, quarters 1..3 by
+//                by slot 1                         slots 1..3
+//   row block 3: halves 0, 1 by slots 2, 3         quarters 0..3 by slots 4..7
 //
 // Each piece is computed exactly once, for every tile (BV 32 or 64, KMAX 64, 128 or 256); with
-// KMAX = 128, BV = 64 the output warps do 176, 192, 176, 192 mma per chunk and each state warp 96,
-// so that each sub-partition holds 368 to 384.
+// KMAX = 128, BV = 64 the output warps do 176, 160, 208, 192 mma per chunk and each state warp 192
+// (NSW = 4), or 176, 192, 176, 192 and 96 (NSW = 8: 368 to 384 per sub-partition).
 // Protocol: a state warp computes its piece right after barrier (A), from the chunk's q tile and
 // the state copy -- still the state entering the chunk, as the state warps rewrite the copy only
 // after (B) --, stores the raw fp32 sums (no decay factor) in its slot of the piece buffer, in
@@ -1016,15 +1021,15 @@ rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // gri
 // elements it needs, conflict-free), arrives at named barrier 1 (bar.arrive: it does not wait) and
 // goes on with the state update. Output warps 1..3 wait at barrier 1 (bar.sync) once their own mma
 // work is done and add their pieces to the outputs with the factors q S gets: gamma^(r0+1), then
-// the row factor gamma^(t-r0) * scale. Barrier 1 counts 352 threads, the 8 state warps and output
-// warps 1..3 (output warp 0 takes no piece and never uses it); each of these passes it once per
+// the row factor gamma^(t-r0) * scale. Barrier 1 counts 32 (NSW + 3) threads, the state warps and
+// output warps 1..3 (output warp 0 takes no piece and never uses it); each of these passes it once per
 // chunk of a pass with outputs and never in the states-only pass (both sides skip it there).
 // Reuse: the pieces of chunk c+1 are written after (A) of chunk c+1, which no thread passes before
 // every output warp has read the pieces of chunk c (before its (B) of chunk c); and a phase of
 // barrier 1 completes before (B) of its chunk, so the arrivals of two chunks never mix.
 // =================================================================================================
 
-template <int KMAX, int BV, int STAGES>
+template <int KMAX, int BV, int STAGES, int NSW>
 struct rtk_chunk_f32_smem {
   static constexpr int C = 64;
   static constexpr int KS = KMAX + 4;  // row stride of the q and k tiles (floats), 4 mod 32
@@ -1033,10 +1038,10 @@ struct rtk_chunk_f32_smem {
   static constexpr int Q = 0, K = Q + C * KS, V = K + C * KS;
   static constexpr int STAGE = V + C * VS;
   static constexpr int S = STAGES * STAGE;  // the state copy, KMAX x SS
-  static constexpr int P = S + KMAX * SS;   // the 8 q S pieces of the state warps (16-byte aligned)
-  static constexpr int PIECE = 4 * BV;      // floats of one piece: 16 rows x BV/4 columns
-  static constexpr int ELEMS = P + 8 * PIECE;
-  static constexpr int THREADS = 384;       // 4 output warps, 8 state warps
+  static constexpr int P = S + KMAX * SS;   // the NSW q S pieces of the state warps (16-byte aligned)
+  static constexpr int PIECE = 32 * BV / NSW;  // floats of one piece: 16 rows x 2 BV / NSW columns
+  static constexpr int ELEMS = P + NSW * PIECE;
+  static constexpr int THREADS = 128 + 32 * NSW;  // 4 output warps, NSW state warps
   static constexpr int BYTES = ELEMS * 4;
 };
 
@@ -1044,22 +1049,42 @@ struct rtk_chunk_f32_smem {
 #define RTK_F32_KUNROLL 1
 #endif
 
-// Named barrier 1 of rtk_chunk_fwd_f32 (the q S pieces, see above): 352 threads, the 8 state warps
-// arrive, output warps 1..3 wait. Both order this thread's earlier shared-memory accesses before
-// the barrier completes (the "memory" clobbers keep the compiler from moving them across).
-__device__ __forceinline__ void rtk_f32_pieces_arrive() { asm volatile("bar.arrive 1, 352;" ::: "memory"); }
-__device__ __forceinline__ void rtk_f32_pieces_wait() { asm volatile("bar.sync 1, 352;" ::: "memory"); }
+// Who computes which part of q S (see above) with NSW state warps and NT n-tiles: output warp W
+// the n-tiles below own(W); the state warps pieces of PT n-tiles each, piece `slot` covering
+// n-tiles n0(slot) .. + PT - 1 of row block rb(slot); slot(W, nt) the piece that holds n-tile nt of
+// row block W (nt >= own(W)).
+template <int NT, int NSW>
+struct rtk_f32_pieces {
+  static constexpr int PT = 2 * NT / NSW;
+  __host__ __device__ static constexpr int own(int W) { return W == 0 ? NT : W == 3 ? 0 : NSW == 4 ? NT / 2 : W == 1 ? 3 * NT / 4 : NT / 4; }
+  __host__ __device__ static constexpr int slot(int W, int nt) { return W == 1 ? 0 : W == 2 ? 1 + (nt - own(2)) / PT : NSW / 2 + nt / PT; }
+  __host__ __device__ static constexpr int rb(int sl) { return sl == 0 ? 1 : sl < NSW / 2 ? 2 : 3; }
+  __host__ __device__ static constexpr int n0(int sl) { return sl == 0 ? own(1) : sl < NSW / 2 ? own(2) + (sl - 1) * PT : (sl - NSW / 2) * PT; }
+  static_assert(PT >= 1 && (NT - own(1)) == PT && (NT - own(2)) == (NSW / 2 - 1) * PT, "pieces");
+};
+
+// Named barrier 1 of rtk_chunk_fwd_f32 (the q S pieces, see above): the NSW state warps arrive,
+// output warps 1..3 wait. Both order this thread's earlier shared-memory accesses before the
+// barrier completes (the "memory" clobbers keep the compiler from moving them across).
+template <int NSW> __device__ __forceinline__ void rtk_f32_pieces_arrive() {
+  asm volatile("bar.arrive 1, %0;" ::"n"(32 * (NSW + 3)) : "memory");
+}
+template <int NSW> __device__ __forceinline__ void rtk_f32_pieces_wait() {
+  asm volatile("bar.sync 1, %0;" ::"n"(32 * (NSW + 3)) : "memory");
+}
 
 template <int KMAX, int BV, int STAGES, bool EXACT, bool VEC, int MINB>
-__global__ void __launch_bounds__(rtk_chunk_f32_smem<KMAX, BV, STAGES>::THREADS, MINB)
+__global__ void __launch_bounds__(rtk_chunk_f32_smem<KMAX, BV, STAGES, EXACT ? 8 : 4>::THREADS, MINB)
 rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
   RTK_FWD_SIZES;
-  typedef rtk_chunk_f32_smem<KMAX, BV, STAGES> L;
+  constexpr int NSW = EXACT ? 8 : 4;  // state warps (see above)
+  typedef rtk_chunk_f32_smem<KMAX, BV, STAGES, NSW> L;
+  typedef rtk_f32_pieces<BV / 8, NSW> PC;
   constexpr int C = L::C, KS = L::KS, VS = L::VS, SS = L::SS;
   constexpr int NT = BV / 8;     // 8-wide n-tiles of the value columns
-  constexpr int HT = NT / 2;     // n-tiles of a state warp's columns (half the tile)
-  constexpr int QT = NT / 4;     // n-tiles of a q S piece (a quarter)
-  constexpr int MT = KMAX / 64;  // 16-row m-tiles of state rows per state warp (KMAX / 4 rows)
+  constexpr int HT = 4 * NT / NSW;  // n-tiles of a state warp's columns (all, or half the tile)
+  constexpr int QT = PC::PT;        // n-tiles of a q S piece (a half or a quarter of the tile)
+  constexpr int MT = KMAX / 64;     // 16-row m-tiles of state rows per state warp (KMAX / 4 rows)
   constexpr int LT = L::THREADS - 128;  // loader threads: the state warps
   static_assert(BV % 32 == 0 && KMAX % 64 == 0 && (STAGES == 1 || STAGES == 2), "bad tile");
   static_assert(KS % 32 == 4 && VS % 32 == 4 && SS % 32 == 8, "padding: see the bank notes");
@@ -1155,7 +1180,7 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
     auto out_loop = [&](const int W) {
       const int r0 = 16 * W;
       // n-tiles 0 .. OWN-1 of this warp's q S are computed here, the rest come as pieces
-      const int OWN = W == 0 ? NT : (W == 1 ? 3 * QT : (W == 2 ? QT : 0));
+      const int OWN = PC::own(W);
       const rtk_chunk_decay dec(lg2, scale, g, t4, r0);  // as in rtk_chunk_fwd
 
       for (int chunk = 0; chunk < nchunks; ++chunk) {
@@ -1250,10 +1275,10 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
         }
 
         if (W > 0) {  // the pieces of q S the state warps computed for these rows
-          rtk_f32_pieces_wait();
+          rtk_f32_pieces_wait<NSW>();
           #pragma unroll
           for (int nt = OWN; nt < NT; ++nt) {
-            const int slot = W == 1 ? 0 : (W == 2 ? nt / QT : 4 + nt / QT);
+            const int slot = PC::slot(W, nt);
             const float4 x = sP[(slot * QT + nt % QT) * 32 + lane];
             o_acc[nt][0] = fmaf(x.x * dec.inter0, dec.row_lo, o_acc[nt][0]);
             o_acc[nt][1] = fmaf(x.y * dec.inter0, dec.row_lo, o_acc[nt][1]);
@@ -1295,11 +1320,10 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
   } else {
     // ---- state warps: fp32 state in registers (rows sr0 .. sr0 + KMAX/4 - 1, columns cb .. cb +
     // BV/2 - 1 of the tile), fp32 copy in smem
-    const int sw = warp - 4;  // 0..7, also the slot of this warp's q S piece
+    const int sw = warp - 4;  // 0 .. NSW-1, also the slot of this warp's q S piece
     const int sr0 = (sw & 3) * MT * 16, cb = (sw >> 2) * HT * 8;
     // this warp's q S piece (see above): rows of output warp prb, n-tiles pn0 .. pn0 + QT - 1
-    const int prb = sw == 0 ? 1 : (sw < 4 ? 2 : 3);
-    const int pn0 = (sw == 0 ? 3 : (sw < 4 ? sw : sw - 4)) * QT;
+    const int prb = PC::rb(sw), pn0 = PC::n0(sw);
     float s_acc[MT][HT][4];
     const rtk_chunk_state<MT, HT> sf = {sr0, g, t4, bh, Dk, Dv, v0 + cb, dv_here - cb, state_slot};
     sf.load(s_acc, init_state);
@@ -1352,7 +1376,7 @@ rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
           x.w = pacc[0][nt][3];
           sP[(sw * QT + nt) * 32 + lane] = x;
         }
-        rtk_f32_pieces_arrive();  // output warps 1..3 may read the piece
+        rtk_f32_pieces_arrive<NSW>();  // output warps 1..3 may read the piece
       }
       // delta = (K * w)^T V, w_s = gamma^(len-1-s), over 8-token k-steps s0 = 8 kk
       float d_acc[MT][HT][4];

@@ -3,8 +3,9 @@
 
 Tolerances (relative Frobenius error ||out - ref|| / ||ref||, and max |out - ref| / max |ref|):
 
-* ``"exact"`` (3xTF32): each product keeps about 21 bits of its operands (x = hi + lo with 11 bits
-  each; the lo*lo' term, 2^-22 relative, is dropped) and is accumulated in fp32, so the result has
+* ``"exact"`` (3xTF32): each product keeps about 20 bits of its operands (x = hi + lo, hi truncated
+  to 11 bits, lo read by the tensor cores to 11; the lo*lo' term, < 2^-20 relative, is dropped)
+  and is accumulated in fp32, so the result has
   about fp32 accuracy: the requirement is a relative error <= 1e-5 (and 1e-4 of max |ref|), flat,
   up to N = 4096.
 * ``"tf32"``: every operand is rounded to TF32 (10 explicit mantissa bits, round to nearest:

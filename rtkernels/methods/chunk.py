@@ -158,8 +158,11 @@ def smem_bytes(kmax: int, bv: int, wg: bool = False) -> int:
     return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + copies * kmax * (bv + 8)) + 32
 
 
-#: Threads of a ``rtk_chunk_fwd_f32`` CTA (rtk_chunk_f32_smem::THREADS): 4 output warps, 8 state warps.
-F32_THREADS = 384
+def f32_threads(exact: bool) -> int:
+    """Threads of a ``rtk_chunk_fwd_f32`` CTA (rtk_chunk_f32_smem::THREADS): 4 output warps and 8
+    state warps in the exact mode (its operand splits leave gaps a third warp per SM sub-partition
+    fills), 4 in the TF32 mode."""
+    return 384 if exact else 256
 
 
 def f32_smem_bytes(kmax: int, bv: int, stages: int = 2) -> int:
@@ -300,11 +303,19 @@ def segments_for(bh_tiles: int, n: int, sms: int, ctas_per_sm: int = 2) -> int:
     return max(1, min(ctas_per_sm * sms // bh_tiles, n // (8 * CHUNK_KERNEL)))
 
 
-def ctas_per_sm(dtype: torch.dtype, dk: int, bv: int, wg: bool, smem_limit: int) -> int:
+def ctas_per_sm(dtype: torch.dtype, dk: int, bv: int, wg: bool, smem_limit: int, exact: bool = True) -> int:
     """CTAs that share a multiprocessor, for :func:`segments_for`: the wgmma kernel 1 (its
-    registers), the 16-bit mma.sync kernel 2, the float32 kernel 1 (384 threads of up to 168
-    registers: two CTAs never fit the register file, whatever the tile)."""
-    return 2 if not wg and dtype != torch.float32 else 1
+    registers), the 16-bit mma.sync kernel 2; the float32 kernel in the exact mode 1 (384 threads of
+    105 to 158 registers), in the TF32 mode 2 when two of its CTAs fit ``smem_limit`` bytes of
+    shared memory (KMAX 64, BV 32: 126 registers), else 1."""
+    if wg:
+        return 1
+    if dtype != torch.float32:
+        return 2
+    kmax = _kmax(dk)
+    stages = f32_stages(kmax, bv, smem_limit)
+    two = not exact and stages is not None and 2 * f32_smem_bytes(kmax, bv, stages) <= smem_limit
+    return 2 if two else 1
 
 
 def value_tile(dv: int, bh: int, n: int, sms: int) -> int:
@@ -332,7 +343,7 @@ def _launch_of(config: Optional[tuple], nseg: int) -> tuple[str, int, int, int, 
     if config is None:
         raise ValueError("no rtk_chunk_fwd_f32 tile fits this GPU's shared memory")
     wg = not _is_f32(config) and config[5]
-    threads = F32_THREADS if _is_f32(config) else 256
+    threads = f32_threads(config[4]) if _is_f32(config) else 256
     return name_expression(config), config[2], nseg, config_smem(config), threads, WGMMA_OPTIONS if wg else ()
 
 
@@ -345,7 +356,7 @@ def _plan(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: int, dev:
     sms, limit = _sm_count(dev), _smem_limit(dev)
     bv = (force_bv or value_tile(dv, bh, n, sms)) if wg else _default_bv(dtype, dk, dv, limit)
     tiles = bh * -(-dv // bv)
-    nseg = force_segments or segments_for(tiles, n, sms, ctas_per_sm(dtype, dk, bv, wg, limit))
+    nseg = force_segments or segments_for(tiles, n, sms, ctas_per_sm(dtype, dk, bv, wg, limit, exact))
     return _launch_of(kernel_config(dtype, dk, dv, vec, tiles * nseg, sms, wg, bv, exact, limit), nseg)
 
 
