@@ -282,8 +282,8 @@ def causal_linear_attention(
         return_state: also return the final state ``S_N`` (float32; float64 for float64 inputs).
         fp32_precision: how float32 inputs are multiplied where a CUDA kernel runs them on
             tensor cores (the ``chunk`` kernel): ``"exact"`` splits every operand x into two TF32
-            numbers, hi = tf32(x) and lo = tf32(x - hi), and forms each product from three TF32
-            products (3xTF32): fp32 accuracy (the tests require a relative error <= 1e-5).
+            numbers, hi = x truncated to TF32 and lo = tf32(x - hi), and forms each product from
+            three TF32 products (3xTF32): fp32 accuracy (the tests require a relative error <= 1e-5).
             ``"tf32"`` rounds the operands to TF32 (10 mantissa bits) and uses one product:
             faster, relative error about 1e-3. ``None`` (default) follows
             ``torch.get_float32_matmul_precision()``: ``"highest"`` (torch's default) gives

@@ -20,9 +20,10 @@ fused pass folds them into each segment's entering state.
 
 fp32 inputs run ``rtk_chunk_fwd_f32`` in the same file: the same algorithm and warp roles on TF32
 tensor cores (mma.sync m16n8k8, fp32 tiles in shared memory). ``fp32_precision="exact"`` splits
-every operand x into hi = tf32(x) and lo = x - hi (which the tensor cores read to TF32 precision)
-and forms each product as hi*lo' + lo*hi' + hi*hi' (3xTF32: about fp32 accuracy); ``"tf32"`` uses
-one TF32 product (relative error ~1e-3, faster). It takes the same arguments, so the launch
+every operand x into hi = x truncated to tf32 and lo = x - hi (which the tensor cores read to TF32
+precision) and forms each product as hi*lo' + lo*hi' + hi*hi' (3xTF32: about fp32 accuracy), with
+8 state warps (:func:`f32_threads`); ``"tf32"`` uses one TF32 product (relative error ~1e-3,
+faster) and 4 state warps. It takes the same arguments, so the launch
 planner's split-sequence strategy (segments, ``rtk_chunk_seg_scan``) serves it too; it has no
 wgmma variant, and its tile (BV, stages) follows the GPU's shared memory. fp64 inputs run the
 torch path.
