@@ -102,25 +102,6 @@ template <int DT> __device__ __forceinline__ rtk_u32 rtk_dg_scale2(rtk_u32 x, fl
   return rtk_pack2<DT>(lo * wlo, hi * whi);
 }
 
-// A warp's MT x NT fragments of the state (rows sr0.., columns c0.. of the value tile at v0):
-// f(mt, nt, e, off, real) for each element, with its offset in a [B, H, Dk, Dv] buffer and
-// whether it is a real (row < Dk, column < Dv) element.
-template <int MT, int NT>
-struct rtk_dg_frag {
-  int sr0, c0, g, t4, bh, Dk, Dv, v0, dv_here;
-  template <class F> __device__ __forceinline__ void elems(F f) const {
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = sr0 + mt * 16 + g + (e >> 1) * 8, c = c0 + nt * 8 + 2 * t4 + (e & 1);
-          f(mt, nt, e, ((rtk_i64)bh * Dk + r) * Dv + v0 + c, r < Dk && c < dv_here);
-        }
-  }
-};
-
 // acc (+)= (x * w)^T y over the first 16 ksteps tokens of a chunk: x = q or k (tile at shared
 // address sX, row stride KS elements; the warp's rows sr0..), y = do or v (at sY, stride VS;
 // columns cb .. cb + 8 NT - 1), weight(t) the token weight (fp32, applied to x and rounded once
@@ -280,7 +261,7 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
   // ---- this warp's slice of the state: rows sr0.., columns c0.. of the tile ----------------------
   const int sr0 = (warp % P::RW) * P::ROWS, c0 = (warp / P::RW) * P::COLS;
   const bool state_live = sr0 < Dk && c0 < dv_here;  // else S, W stay 0 and the products are skipped
-  const rtk_dg_frag<MT, NT> frag = {sr0, c0, g, t4, bh, Dk, Dv, v0, dv_here};
+  const rtk_chunk_state<MT, NT> frag = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, 0};
   float s_acc[MT][NT][4], w_acc[MT][NT][4];
   frag.elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {
     s_acc[mt][nt][e] = (init_state != nullptr && real) ? init_state[off] : 0.f;
@@ -350,12 +331,7 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
               w = fmaf(carry, fmaf(fl, s_acc[mt][grp * NTG + nt][e], w), n1 * t_acc[mt][nt][e]);
             }
       }
-      #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) s_acc[mt][nt][e] *= carry;
+      rtk_frag_scale(s_acc, carry);
       // S = gamma^L S + sum_s gamma^(L-1-s) k_s^T v_s
       rtk_dg_product<DT, MT, NT, KS, VS>(s_acc, sK, sV, ksteps, sr0, c0, lane, [&](int s) -> float { return s < len ? rtk_exp2(lg2 * (float)(len - 1 - s)) : 0.f; });
     }
