@@ -15,7 +15,7 @@ import rtkernels
 from rtkernels.decay import LogDecay
 from rtkernels.methods import chunk
 from rtkernels.methods._launch import fwd_args
-from rtkernels.runtime import get_function, launch
+from rtkernels.jit import get_function, launch
 
 SHAPES = {"small": (2, 32, 1024, 128), "mid": (4, 32, 4096, 128), "long": (1, 32, 16384, 128),
           "odd": (1, 3, 200, 96)}

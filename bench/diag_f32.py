@@ -12,7 +12,7 @@ from bench.timing import back_to_back_ms
 from rtkernels.decay import LogDecay
 from rtkernels.methods import chunk
 from rtkernels.methods._launch import fwd_args
-from rtkernels.runtime import get_function, launch
+from rtkernels.jit import get_function, launch
 
 TILES = [(64, 2, 1), (32, 2, 1), (64, 1, 1)]
 KNOBS = [(), ("-DRTK_F32_KUNROLL=2",)]

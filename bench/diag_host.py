@@ -11,7 +11,7 @@ import torch
 import rtkernels
 from rtkernels.methods import chunk
 from rtkernels.methods._launch import fwd_args
-from rtkernels.runtime import get_function, launch
+from rtkernels.jit import get_function, launch
 
 flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 

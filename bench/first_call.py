@@ -11,7 +11,7 @@ torch.cuda.synchronize()
 mark("cuda init")
 import rtkernels  # noqa: E402
 mark("import rtkernels")
-from rtkernels.runtime import jit, kernel_cache, load_source  # noqa: E402
+from rtkernels.jit import jit, kernel_cache, load_source  # noqa: E402
 from rtkernels.methods import chunk  # noqa: E402
 jit.cupy_available()
 mark("cupy_available")

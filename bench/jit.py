@@ -4,7 +4,7 @@
   template instance the bf16 (or fp32) D = 128 problem uses. Measured in this process.
 * On a GPU, two fresh processes share a new, empty ``RTKERNELS_CACHE_DIR`` (kernel cache):
   - ``cold``: each kernel method's first call at (1, 2, 256, 128) in bf16 (scan/fleet/block also
-    fp32), with the compile times of ``rtkernels.runtime.compile_log()`` (NVRTC + load), per kernel;
+    fp32), with the compile times of ``rtkernels.jit.compile_log()`` (NVRTC + load), per kernel;
   - ``warm``: the same calls in a new process: the first call's wall time (target <= 100 ms) and
     the module load times from the disk cache.
 
@@ -31,7 +31,7 @@ import json, sys, time
 t0 = time.perf_counter()
 import torch
 import rtkernels
-from rtkernels.runtime import compile_log
+from rtkernels.jit import compile_log
 t_import = time.perf_counter() - t0
 out = {"import_s": t_import, "first_call_ms": {}}
 dev = torch.device("cuda", 0)
@@ -63,7 +63,7 @@ def offline_compile_times(arch: str = "sm_90") -> dict[str, float]:
     import torch
 
     from rtkernels.methods import block, chunk, fleet, scan
-    from rtkernels.runtime import compile_offline
+    from rtkernels.jit import compile_offline
 
     picks = {
         "chunk.cu " + chunk.name_expression(chunk.kernel_config(torch.bfloat16, 128, 128, True, 2, 1)): ("chunk.cu",),

@@ -34,7 +34,7 @@ def environment(device: torch.device, quick: bool) -> dict[str, Any]:
     """Versions, the GPU, and the two limits measured in this run (copy bandwidth, tensor peak)."""
     import rtkernels
     from rtkernels import cli
-    from rtkernels.runtime import sources_hash
+    from rtkernels.jit import sources_hash
 
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

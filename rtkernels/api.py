@@ -12,7 +12,7 @@ import torch
 from .autograd import attention_with_grad, needs_grad, track_decay
 from .decay import LogDecay
 from .methods import METHODS, auto_method, plan_epoch, run_method
-from .runtime.dtypes import compute_dtype
+from .jit.dtypes import compute_dtype
 
 __all__ = ["causal_linear_attention", "LAYOUTS", "METHOD_NAMES", "DTYPES"]
 

@@ -86,7 +86,7 @@ from .decay import LOG_DECAY_MIN, LogDecay
 from .methods import run_method
 from .methods._torch_common import (causal_apply, causal_mask, chunk_end_decays, decay_powers, inter_chunk,
                                     scan_chunks, to_chunks)
-from .runtime.dtypes import compute_dtype
+from .jit.dtypes import compute_dtype
 
 __all__ = ["Grads", "BackwardImpl", "BACKWARD_IMPLS", "backward_impl", "torch_backward", "track_decay",
            "needs_grad", "attention_with_grad", "CausalLinearAttentionFunction", "CHUNK", "log_decay_grad",

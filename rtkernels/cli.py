@@ -52,7 +52,7 @@ def cupy_version() -> Optional[str]:
 def nvrtc_version_text() -> str:
     """NVRTC's version as CuPy loads it (``"12.9"``), or why it is not available."""
     try:
-        from .runtime import nvrtc_version
+        from .jit import nvrtc_version
 
         major, minor = nvrtc_version()
         return f"{major}.{minor}"
@@ -65,7 +65,7 @@ def nvrtc_version_text() -> str:
 def kernel_cache_dir() -> tuple[Path, str]:
     """rtkernels' compiled-kernel cache directory and where that setting comes from."""
     from .autotune import ENV_CACHE_DIR
-    from .runtime.kernel_cache import kernels_dir
+    from .jit.kernel_cache import kernels_dir
 
     origin = f"from {ENV_CACHE_DIR}" if os.environ.get(ENV_CACHE_DIR) else f"platformdirs; set {ENV_CACHE_DIR} to move it"
     return kernels_dir(), origin
@@ -108,7 +108,7 @@ def no_gpu_reason() -> Optional[str]:
             return "torch sees no CUDA GPU" + ("" if torch.version.cuda else " (this torch is a CPU-only build)")
     except Exception as exc:
         return f"torch cannot query CUDA ({type(exc).__name__})"
-    from .runtime import cupy_available
+    from .jit import cupy_available
 
     if not cupy_available():
         return "CuPy with a CUDA driver is not available (pip install 'rtkernels[cuda12]' or 'rtkernels[cuda13]')"
@@ -151,7 +151,7 @@ def _run_info(args: argparse.Namespace) -> int:
     import torch
 
     import rtkernels
-    from rtkernels.runtime import cupy_available, source_dir, sources_hash
+    from rtkernels.jit import cupy_available, source_dir, sources_hash
 
     def line(key: str, value: str) -> None:
         print(f"{key:<19}{value}")

@@ -47,7 +47,7 @@ import torch
 from .decay import LogDecay
 from .methods import chunk
 from .methods._launch import fwd_tail, unit_stride
-from .runtime import dtype_code, get_function, launch
+from .jit import dtype_code, get_function, launch
 
 __all__ = ["SOURCE", "CHUNK", "kernel_config", "all_configs", "name_expression", "smem_bytes",
            "kernel_log_decay_grad", "torch_w_recurrence"]

@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     import rtkernels
     from rtkernels import METHODS, causal_linear_attention
     from rtkernels.methods import auto_method
-    from rtkernels.runtime import cupy_available
+    from rtkernels.jit import cupy_available
 
     from .cli import cupy_version, nvrtc_version_text
 

@@ -65,7 +65,7 @@ from .decay import LogDecay
 from .decay_grad import kernel_log_decay_grad
 from .methods import METHODS, chunk
 from .methods._torch_common import decay_powers, run_torch_path
-from .runtime.dtypes import compute_dtype
+from .jit.dtypes import compute_dtype
 
 __all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "kernel_backward", "supports", "register"]
 

@@ -12,7 +12,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def _gpu_ready() -> bool:
-    from rtkernels.runtime import cupy_available
+    from rtkernels.jit import cupy_available
 
     return torch.cuda.is_available() and cupy_available()
 

@@ -17,7 +17,7 @@ from rtkernels.autotune import cuda, keys
 from rtkernels.autotune.space import Limits, Problem
 from rtkernels.autotune.store import FORMAT, Store, cache_dir
 from rtkernels.autotune.tuner import Candidate, tune
-from rtkernels.runtime import KernelCompileError
+from rtkernels.jit import KernelCompileError
 
 FP = {"rtkernels": "0.1.0", "sources": "0123456789abcdef", "gpu": "NVIDIA H200", "capability": "9.0",
       "sms": 132, "nvrtc": "13.0"}
@@ -167,7 +167,7 @@ def test_read_only_directory_warns_once_and_keeps_results_in_memory(tmp_path, mo
     else:  # root writes anywhere: make every write fail the way a read-only directory does
         def deny(*a, **k):
             raise PermissionError(13, "Permission denied", str(ro))
-        monkeypatch.setattr("rtkernels.autotune.store.tempfile.mkstemp", deny)
+        monkeypatch.setattr("rtkernels.jit.files.tempfile.mkstemp", deny)
     try:
         store = Store(FP, ro)
         res1, _ = fake_tune()

@@ -7,7 +7,7 @@ skipped when CuPy is missing, it fails.
 import pytest
 
 from rtkernels.methods import kernel_instances
-from rtkernels.runtime import KernelCompileError, compile_offline, list_sources, load_source
+from rtkernels.jit import KernelCompileError, compile_offline, list_sources, load_source
 
 ARCHS = ("sm_80", "sm_90a")  # sm_90a: the wgmma instances compile their Hopper path
 

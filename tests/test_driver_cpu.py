@@ -1,8 +1,8 @@
-"""rtkernels.runtime.driver without a GPU: status checking."""
+"""rtkernels.jit.driver without a GPU: status checking."""
 
 import pytest
 
-from rtkernels.runtime import driver
+from rtkernels.jit import driver
 
 
 def test_zero_status_passes_and_nonzero_raises_naming_the_call():

@@ -1,4 +1,4 @@
-"""rtkernels' compiled-kernel disk cache (rtkernels.runtime.kernel_cache), without a GPU."""
+"""rtkernels' compiled-kernel disk cache (rtkernels.jit.kernel_cache), without a GPU."""
 
 import json
 import os
@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from rtkernels.runtime import kernel_cache as kc
+from rtkernels.jit import kernel_cache as kc
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_a_ptx_image_round_trips_as_ptx(cache):
 def test_target_a_cubin_for_known_archs_else_ptx_of_the_nearest_older_one(arch, want, monkeypatch):
     from types import SimpleNamespace
 
-    from rtkernels.runtime import compiler, jit
+    from rtkernels.jit import compiler, jit
 
     seen = []
     monkeypatch.setattr(compiler, "nvrtc_archs", lambda: (50, 75, 80, 86, 89, 90, 100, 120, 121))

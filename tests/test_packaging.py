@@ -34,7 +34,7 @@ def test_installed_wheel_finds_its_sources(wheel, tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
                     str(wheel)], check=True)
-    code = ("import rtkernels, rtkernels.runtime as r; "
+    code = ("import rtkernels, rtkernels.jit as r; "
             "print(rtkernels.__file__); print(r.source_dir()); print(len(r.load_source('scan.cu')))")
     env = dict(os.environ, PYTHONPATH=str(target))
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, check=True,

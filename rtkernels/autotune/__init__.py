@@ -161,7 +161,7 @@ def store_for_device(device_index: int) -> Optional[Store]:
             return _stores[device_index]
         store = None
         try:
-            from ..runtime import cupy_available
+            from ..jit import cupy_available
 
             if cupy_available():
                 store = Store(device_fingerprint(device_index))

@@ -1,7 +1,7 @@
 """What a tuning result is keyed by: the device fingerprint and the shape bucket.
 
 * The **fingerprint** of a device says which results files may be used on it: the rtkernels
-  version, the hash of every kernel source and header (:func:`rtkernels.runtime.sources_hash`),
+  version, the hash of every kernel source and header (:func:`rtkernels.jit.sources_hash`),
   the GPU's name, compute capability and multiprocessor count, and the NVRTC version. Each
   fingerprint has its own results file, named by it; a file whose recorded fingerprint differs
   from the device's is never used.
@@ -30,8 +30,8 @@ def device_fingerprint(device_index: int) -> Fingerprint:
     import torch
 
     from .. import __version__
-    from ..runtime import nvrtc_version, sources_hash
-    from ..runtime.kernel_cache import recorded_nvrtc
+    from ..jit import nvrtc_version, sources_hash
+    from ..jit.kernel_cache import recorded_nvrtc
 
     p = torch.cuda.get_device_properties(device_index)
     # the NVRTC that compiled the cached kernels (no NVRTC load in a warm process), else the one at hand

@@ -135,7 +135,7 @@ def _err(exc: BaseException) -> str:
 
 
 def _is_compile_error(exc: BaseException) -> bool:
-    from ..runtime.compiler import KernelCompileError
+    from ..jit.compiler import KernelCompileError
 
     return isinstance(exc, KernelCompileError) or "CompileException" in type(exc).__name__
 

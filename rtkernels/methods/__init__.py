@@ -16,7 +16,7 @@ import torch
 from ..decay import LogDecay
 
 from ..autotune import plan_state, selection
-from ..runtime import kernels_available
+from ..jit import kernels_available
 from . import block, chunk, fleet, recursion, scan, vanilla
 from ._torch_common import TorchForward, run_torch_path
 

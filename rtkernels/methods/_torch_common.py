@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decay import LogDecay
-from ..runtime.dtypes import compute_dtype
+from ..jit.dtypes import compute_dtype
 
 __all__ = ["decay_powers", "causal_decay_matrix", "causal_mask", "causal_apply", "intra_chunk", "inter_chunk",
            "block_state", "state_update", "carry_state", "zero_state", "to_chunks", "chunk_end_decays",

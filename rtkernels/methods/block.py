@@ -24,7 +24,7 @@ import functools
 
 from ..autotune import tuned_config
 from ..autotune.space import Limits, Problem, Space
-from ..runtime import dtype_code, get_function, launch
+from ..jit import dtype_code, get_function, launch
 from ._launch import fwd_args, operands
 from ._torch_common import inter_chunk, intra_chunk, state_update, zero_state
 from .scan import MAX_DIM, kernel_supports  # noqa: F401  (same limits as the scan kernel)

@@ -41,7 +41,7 @@ import os
 from ..autotune import tuned_config
 from ..autotune.space import Limits, Problem, Space
 from ..decay import LogDecay
-from ..runtime import dtype_code, get_function
+from ..jit import dtype_code, get_function
 from ._launch import fwd_tail, row_address, unit_stride
 from ._torch_common import chunk_end_decays, inter_chunk, intra_chunk, scan_chunks, to_chunks, zero_state
 

@@ -26,8 +26,8 @@ import torch
 from ..decay import LogDecay
 
 from ..autotune import tuned_config
-from ..autotune.space import Limits, Problem, Space
-from ..runtime import dtype_code, get_function, launch
+from ..autotune.space import Space
+from ..jit import dtype_code, get_function, launch
 from . import scan
 from ._torch_common import causal_apply, causal_decay_matrix, decay_powers, zero_state
 

@@ -20,7 +20,7 @@ from ..decay import LogDecay
 
 from ..autotune import tuned_config
 from ..autotune.space import Limits, Problem, Space
-from ..runtime import dtype_code, get_function, launch
+from ..jit import dtype_code, get_function, launch
 from ._launch import fwd_args, operands
 from ._torch_common import zero_state
 

@@ -1,13 +1,15 @@
-"""The JIT runtime: CUDA sources, NVRTC compilation, kernel launch on torch's stream."""
+"""The former name of :mod:`rtkernels.jit`, kept so that code written against it keeps working.
 
-from .compiler import BASE_OPTIONS, CompiledProgram, KernelCompileError, compile_offline, nvrtc_archs, nvrtc_version
-from .dtypes import KERNEL_DTYPES, compute_dtype, dtype_code
-from .jit import BoundLaunch, Kernel, compile_log, cupy_available, get_function, kernels_available, launch
-from .sources import list_sources, load_source, source_dir, sources_hash
+``rtkernels.runtime`` and its submodules (``compiler``, ``driver``, ``kernel_cache``, ``sources``,
+``dtypes``) are the very modules of :mod:`rtkernels.jit`; new code imports ``rtkernels.jit``.
+"""
 
-__all__ = [
-    "BASE_OPTIONS", "CompiledProgram", "KernelCompileError", "compile_offline", "nvrtc_archs", "nvrtc_version",
-    "KERNEL_DTYPES", "compute_dtype", "dtype_code",
-    "BoundLaunch", "Kernel", "compile_log", "cupy_available", "get_function", "kernels_available", "launch",
-    "list_sources", "load_source", "source_dir", "sources_hash",
-]
+import sys as _sys
+
+from .. import jit as _jit
+from ..jit import *  # noqa: F401,F403
+from ..jit import __all__  # noqa: F401
+from ..jit import compiler, driver, dtypes, kernel_cache, sources  # noqa: F401
+
+for _name in ("compiler", "driver", "dtypes", "kernel_cache", "sources"):
+    _sys.modules[f"{__name__}.{_name}"] = getattr(_jit, _name)

@@ -1,8 +1,8 @@
 """Just-in-time compilation and launching of rtkernels' kernels on torch tensors.
 
-Kernels are compiled at first use with NVRTC (:func:`~rtkernels.runtime.compiler.compile_offline`,
+Kernels are compiled at first use with NVRTC (:func:`~rtkernels.jit.compiler.compile_offline`,
 through CuPy's binding) for the device of the tensors they run on, kept on disk by
-:mod:`rtkernels.runtime.kernel_cache`, loaded with the CUDA driver (:mod:`rtkernels.runtime.driver`:
+:mod:`rtkernels.jit.kernel_cache`, loaded with the CUDA driver (:mod:`rtkernels.jit.driver`:
 ctypes on libcuda), memoised per (device, source, template
 instance, options), and launched on torch's current stream of that device. Pointers are passed as
 Python ints (``tensor.data_ptr()``), so a launch wraps no tensor and copies nothing. A process whose

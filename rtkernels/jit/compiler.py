@@ -1,10 +1,10 @@
 """Compiling rtkernels' CUDA sources with NVRTC.
 
 :func:`compile_offline` drives NVRTC through CuPy's binding (``cupy.cuda.nvrtc``) on the prepared
-source text (:func:`rtkernels.runtime.sources.load_source`) with :data:`BASE_OPTIONS`. It needs
+source text (:func:`rtkernels.jit.sources.load_source`) with :data:`BASE_OPTIONS`. It needs
 neither a GPU nor a driver, so CI uses it to compile every kernel configuration for sm_80 and
-sm_90a; :func:`rtkernels.runtime.jit.get_function` uses it for the GPU at hand and keeps the
-result in rtkernels' kernel cache (:mod:`rtkernels.runtime.kernel_cache`).
+sm_90a; :func:`rtkernels.jit.jit.get_function` uses it for the GPU at hand and keeps the
+result in rtkernels' kernel cache (:mod:`rtkernels.jit.kernel_cache`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .files import atomic_write, cache_dir
+
 __all__ = ["kernels_dir", "cache_key", "load", "save", "recorded_nvrtc", "CachedKernel"]
 
 _FORMAT = "rtkernels-kernel-cache-1"
@@ -31,8 +33,6 @@ _warned = False
 
 def kernels_dir() -> Path:
     """Where compiled kernels are kept: ``cache_dir() / "kernels"``."""
-    from ..autotune.store import cache_dir
-
     return cache_dir() / "kernels"
 
 
@@ -73,8 +73,6 @@ def save(key: str, kernel: CachedKernel, nvrtc: Sequence[int], arch: str) -> Non
     d = kernels_dir()
     version = ".".join(str(x) for x in nvrtc)
     meta = {"format": _FORMAT, "lowered": kernel.lowered, "kind": kernel.kind, "nvrtc": version, "arch": arch}
-    from ..autotune.store import atomic_write
-
     try:
         d.mkdir(parents=True, exist_ok=True)
         atomic_write(d / f"{key}.bin", kernel.image)
