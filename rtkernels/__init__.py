@@ -7,6 +7,6 @@ from . import kernel_backward as _kernel_backward  # registers the chunk-kernel 
 from .api import DTYPES, LAYOUTS, METHOD_NAMES, causal_linear_attention
 from .methods import METHODS
 
-__version__ = "0.1.0"
+from .env import VERSION as __version__
 
 __all__ = ["causal_linear_attention", "METHODS", "METHOD_NAMES", "LAYOUTS", "DTYPES", "__version__"]

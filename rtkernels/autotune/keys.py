@@ -29,7 +29,7 @@ def device_fingerprint(device_index: int) -> Fingerprint:
     """The fingerprint of CUDA device ``device_index`` (needs torch with CUDA and CuPy)."""
     import torch
 
-    from .. import __version__
+    from ..env import VERSION as __version__
     from ..jit import nvrtc_version, sources_hash
     from ..jit.kernel_cache import recorded_nvrtc
 
