@@ -3,10 +3,17 @@
     o_i = scale * sum_{j <= i} gamma_h^(i-j) (q_i . k_j) v_j
 """
 
-from . import kernel_backward as _kernel_backward  # registers the chunk-kernel backward (BACKWARD_IMPLS)
-from .api import DTYPES, LAYOUTS, METHOD_NAMES, causal_linear_attention
-from .methods import METHODS
+import sys as _sys
 
+from .api import DTYPES, LAYOUTS, METHOD_NAMES, causal_linear_attention
 from .env import VERSION as __version__
+from .methods import METHODS
+from .methods.chunk import backward as _chunk_backward  # puts the kernel backward first in BACKWARD_IMPLS
+from .methods.chunk import decay_grad as _chunk_decay_grad
+
+# Former module names, kept working: rtkernels.kernel_backward and rtkernels.decay_grad now live
+# in the chunk method's package.
+_sys.modules[f"{__name__}.kernel_backward"] = _chunk_backward
+_sys.modules[f"{__name__}.decay_grad"] = _chunk_decay_grad
 
 __all__ = ["causal_linear_attention", "METHODS", "METHOD_NAMES", "LAYOUTS", "DTYPES", "__version__"]

@@ -11,7 +11,8 @@ import torch
 
 from .autograd import attention_with_grad, needs_grad, track_decay
 from .decay import LogDecay
-from .methods import METHODS, auto_method, plan_epoch, run_method
+from . import call_cache
+from .methods import METHODS, auto_method, run_method
 from .jit.dtypes import compute_dtype
 
 __all__ = ["causal_linear_attention", "LAYOUTS", "METHOD_NAMES", "DTYPES"]
@@ -178,80 +179,6 @@ def _check_fp32_precision(value: Any) -> str:
     return value
 
 
-# ---------------------------------------------------------------------------------------------
-# The cached call: a call whose signature (types, shapes, strides, dtypes, devices, 16-byte
-# alignment, decay, scale, method, layout, state arguments) equals that of an earlier call that
-# passed every check and ran a kernel with a planned launch repeats that launch with the new data
-# pointers. Only calls that passed the checks are cached, and the signature holds everything the
-# checks and the plan depend on, so a cached call accepts exactly what the full path accepts.
-
-_Tensor = torch.Tensor
-_FAST_MAX = 512
-_fast: dict[tuple, "_CachedCall"] = {}
-_NO_KEY = object()
-
-
-class _CachedCall:
-    __slots__ = ("launcher", "out_shape", "dtype", "device", "like_v", "pins")
-
-    def __init__(self, launcher: Any, out: torch.Tensor, like_v: bool, pins: tuple):
-        self.launcher, self.out_shape, self.dtype, self.device = launcher, tuple(out.shape), out.dtype, out.device
-        self.like_v = like_v  # v is contiguous, so torch.empty_like(v) is the output (the cheaper call)
-        self.pins = pins  # host decay tensors whose id() is part of the key: kept alive, so ids stay unique
-
-
-def _decay_key(x: Any) -> Any:
-    """The signature of a decay argument, or _NO_KEY (a CUDA tensor, which is checked on the device
-    every call; one that requires grad; a CuPy array)."""
-    if x is None:
-        return None
-    tp = type(x)
-    if tp is float or tp is int:
-        return (tp, x)
-    if tp is _Tensor and not x.is_cuda and not x.requires_grad:
-        return (id(x), x._version)  # a CPU tensor: its values are those checked while _version holds
-    return _NO_KEY
-
-
-def _call_key(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, method: Any, layout: Any,
-              initial_state: Any, return_state: Any, fp32_precision: Any = None) -> Optional[tuple]:
-    """The signature of a call that may be cached, or None. For float32 inputs it holds the
-    precision the call resolves to (``fp32_precision``, or torch's float32 matmul setting when it
-    is None)."""
-    if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
-        return None
-    if fp32_precision is not None and type(fp32_precision) is not str:
-        return None
-    if fp32_precision is None and q.dtype is torch.float32:
-        fp32_precision = ("torch", torch.get_float32_matmul_precision())
-    if type(method) is not str or type(layout) is not str or type(return_state) is not bool:
-        return None
-    if type(scale) is not float and type(scale) is not int:
-        return None
-    grad = torch.is_grad_enabled()
-    if grad and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return None
-    dk, dr = _decay_key(decay), _decay_key(decay_rate)
-    if dk is _NO_KEY or dr is _NO_KEY:
-        return None
-    if initial_state is None:
-        sk = None
-    elif type(initial_state) is _Tensor and not (grad and initial_state.requires_grad):
-        sk = (initial_state.shape, initial_state.stride(), initial_state.dtype, initial_state.get_device())
-    else:
-        return None
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-            q.get_device(), k.get_device(), v.get_device(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
-            dk, dr, type(scale), scale, method, layout, sk, return_state, fp32_precision, plan_epoch())
-
-
-def _remember(key: tuple, launcher: Any, out: torch.Tensor, v: torch.Tensor, decay: Any, decay_rate: Any) -> None:
-    if len(_fast) >= _FAST_MAX:
-        _fast.clear()
-    pins = tuple(x for x in (decay, decay_rate) if isinstance(x, _Tensor))
-    _fast[key] = _CachedCall(launcher, out, v.is_contiguous() and v.shape == out.shape, pins)
-
-
 def causal_linear_attention(
     q: Array, k: Array, v: Array, decay: Union[None, float, Array] = None, *,
     decay_rate: Union[None, float, Array] = None, scale: float = 1.0, method: str = "auto",
@@ -303,9 +230,9 @@ def causal_linear_attention(
         is data: it comes out as NaN in exactly the rows it reaches (q_i: row i; k_j, v_j: rows
         i >= j).
     """
-    key = _call_key(q, k, v, decay, decay_rate, scale, method, layout, initial_state, return_state, fp32_precision)
+    key = call_cache.call_key(q, k, v, decay, decay_rate, scale, method, layout, initial_state, return_state, fp32_precision)
     if key is not None:
-        hit = _fast.get(key)
+        hit = call_cache.lookup(key)
         if hit is not None:
             out = torch.empty_like(v) if hit.like_v else torch.empty(hit.out_shape, dtype=hit.dtype, device=hit.device)
             state = hit.launcher(q, k, v, out, initial_state)
@@ -354,7 +281,7 @@ def causal_linear_attention(
             launcher = m.kernel_prepare(qt, kt, vt, log_decay, scale, out_view, return_state,
                                         **m.kernel_kwargs(fp32_precision))
             state = launcher(qt, kt, vt, out_view, s0)
-            _remember(key, launcher, out, v, decay, decay_rate)
+            call_cache.remember(key, launcher, out, v, decay, decay_rate)
         else:
             state = run_method(name, qt, kt, vt, log_decay, scale, out_view, s0, return_state,
                                fp32_precision=fp32_precision)

@@ -227,3 +227,13 @@ def assert_unchanged(copies: list[Optional[torch.Tensor]], tensors: list[Optiona
     for c, t in zip(copies, tensors):
         if t is not None:
             torch.testing.assert_close(t, c, rtol=0, atol=0, equal_nan=True, msg=f"the call modified its {what}")
+
+
+def force_chunk(monkeypatch, **changes) -> None:
+    """Force fields of the chunk kernel's plan (:class:`rtkernels.methods.chunk.Overrides`) for the
+    rest of a test; monkeypatch restores the original object afterwards."""
+    import dataclasses
+
+    from rtkernels.methods.chunk import plan
+
+    monkeypatch.setattr(plan, "overrides", dataclasses.replace(plan.overrides, **changes))

@@ -267,7 +267,7 @@ def test_a_broken_store_never_breaks_a_call(monkeypatch):
     def boom(device_index):
         raise RuntimeError("driver went away")
 
-    monkeypatch.setattr(autotune, "store_for_device", boom)
+    monkeypatch.setattr(autotune.answers, "store_for_device", boom)
     with pytest.warns(RuntimeWarning, match="using the heuristics"):
         assert autotune.selection(0, torch.bfloat16, 64, 1024, 128, 128) is None
 
@@ -300,15 +300,16 @@ def test_every_runnable_candidate_is_compiled_by_ci(problem):
             continue
         if cand.method == "chunk":
             for vec in (False, True):
-                name = chunk.tuned_launch(cand.config, dt, problem.dk, problem.dv, vec)[0]
-                assert name in inst["chunk.cu"], name
+                launch = chunk.tuned_launch(cand.config, problem, Limits(sms=1), vec=vec)
+                assert launch.name in inst[launch.source], launch.name
         elif cand.method == "scan":
             scan._launch_config.cache_clear()
-            assert scan._launch_config(dt, problem.dk, scan.MAX_DIM, cand.config)[0] in inst["scan.cu"]
+            assert scan.tuned_launch(cand.config, problem, limits)[0] in inst["scan.cu"]
         elif cand.method == "fleet":
-            assert scan._launch_config(dt, problem.dk, fleet.tuned_launch(cand.config))[0] in inst["scan.cu"]
+            rank_tile = fleet.tuned_launch(cand.config, problem, limits)
+            assert scan._launch_config(dt, problem.dk, rank_tile)[0] in inst["scan.cu"]
         elif cand.method == "block":
-            assert block._launch_config(dt, problem.dk, problem.dv, cand.config)[0] in inst["block.cu"]
+            assert block.tuned_launch(cand.config, problem, limits)[0] in inst["block.cu"]
 
 
 @pytest.mark.parametrize("problem", PROBLEMS[:5], ids=lambda p: p.label())
@@ -324,7 +325,7 @@ def test_chunk_default_config_is_todays_heuristic(problem):
     seg_len = -(-problem.n // (nseg * chunk.CHUNK_KERNEL)) * chunk.CHUNK_KERNEL
     nseg = -(-problem.n // seg_len)
     heur = chunk.name_expression(chunk.kernel_config(dt, problem.dk, problem.dv, True, problem.bh * nseg * tiles, sms))
-    name, tbv, tseg = chunk.tuned_launch(autotune.freeze(cfg), dt, problem.dk, problem.dv, True, problem.bh, sms)[:3]
+    name, tbv, tseg = chunk.tuned_launch(autotune.freeze(cfg), problem, Limits(sms=sms, max_smem=0))[:3]
     assert (name, tbv, tseg) == (heur, bv, nseg)
     assert chunk.TUNE_SPACE.check(problem, cfg, Limits(sms=sms)) is None
 

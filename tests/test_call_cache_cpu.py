@@ -1,4 +1,4 @@
-"""The cached call's signature (rtkernels.api._call_key): what may be cached, and that everything the
+"""The cached call's signature (rtkernels.call_cache.call_key): what may be cached, and that everything the
 checks depend on is part of the key (so a cached call accepts exactly what the full path accepts)."""
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from rtkernels import api
+from rtkernels import api, call_cache
 
 
 def _qkv(dtype=torch.bfloat16):
@@ -14,7 +14,7 @@ def _qkv(dtype=torch.bfloat16):
 
 
 def key(q, k, v, decay=0.9, decay_rate=None, scale=1.0, method="chunk", layout="bhnd", s0=None, rs=False):
-    return api._call_key(q, k, v, decay, decay_rate, scale, method, layout, s0, rs)
+    return call_cache.call_key(q, k, v, decay, decay_rate, scale, method, layout, s0, rs)
 
 
 def test_plain_call_has_a_key_and_it_is_stable():
@@ -85,9 +85,9 @@ def test_autotune_changes_invalidate_the_key():
 
 def test_cpu_calls_are_never_cached():
     q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
-    api._fast.clear()
+    call_cache.clear()
     out = api.causal_linear_attention(q, k, v, 0.9, method="chunk")
-    assert not api._fast and math.isfinite(float(out.sum()))
+    assert not call_cache.size() and math.isfinite(float(out.sum()))
 
 
 def test_a_forced_candidate_is_part_of_the_key_by_value():

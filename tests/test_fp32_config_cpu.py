@@ -6,10 +6,11 @@ import torch
 
 import rtkernels
 import rtkernels.api as api
+from rtkernels import call_cache
 from rtkernels.autotune.space import Limits, Problem, freeze
 from rtkernels.methods import chunk, kernel_instances
 
-from inputs import make_qkv
+from inputs import force_chunk, make_qkv
 
 Q, K, V = make_qkv(0, 2, 3, 5, 4, 6, torch.float32)
 
@@ -83,7 +84,7 @@ def test_f32_smem_bytes():
 
 
 def test_f32_instances_are_compiled_by_the_compile_test():
-    names = kernel_instances()["chunk.cu"]
+    names = kernel_instances()[chunk.F32_SOURCE]
     for limit in (H200, A100, SM89):
         for dk in (1, 64, 65, 128, 129, 256):
             for dv in (1, 32, 33, 256):
@@ -134,36 +135,35 @@ def test_precision_reaches_the_forward_of_the_autograd_path(monkeypatch):
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """The launch planner on the CPU: device 0 is an H200 (132 SMs, 227 KiB, compute capability 9.0)."""
-    monkeypatch.setattr(chunk, "_sm_count", lambda dev: 132)
-    monkeypatch.setattr(chunk, "_smem_limit", lambda dev: H200)
-    monkeypatch.setattr(chunk, "_is_sm90", lambda dev: True)
-    chunk._plan.cache_clear()
+    monkeypatch.setattr(chunk.plan, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(chunk.plan, "_smem_limit", lambda dev: H200)
+    monkeypatch.setattr(chunk.plan, "_is_sm90", lambda dev: True)
+    chunk.plan_launch.cache_clear()
     yield
-    chunk._plan.cache_clear()
+    chunk.plan_launch.cache_clear()
 
 
 @pytest.mark.parametrize("exact", [True, False])
 def test_planner_gives_fp32_its_own_kernel(fake_gpu, exact):
-    names = kernel_instances()["chunk.cu"]
-    name, bv, nseg, smem, threads, opts = chunk._plan(torch.float32, 128, 128, True, 128, 4096, 0, (), exact=exact)
+    names = kernel_instances()[chunk.F32_SOURCE]
+    name, bv, nseg, smem, threads, opts = chunk.plan_launch(torch.float32, 128, 128, True, 128, 4096, 0, exact=exact)[:6]
     assert name == f"rtk_chunk_fwd_f32<128, 64, 2, {str(exact).lower()}, true, 1>" and name in names
     assert (bv, nseg, smem, threads, opts) == (64, 1, chunk.f32_smem_bytes(128, 64, 2), chunk.f32_threads(exact), ())
     # few CTAs, long sequence: segments, one wave of one CTA per SM (210 KiB of shared memory each)
-    name, bv, nseg, _, _, opts = chunk._plan(torch.float32, 128, 128, True, 32, 16384, 0, (), exact=exact)
+    name, bv, nseg, _, _, opts = chunk.plan_launch(torch.float32, 128, 128, True, 32, 16384, 0, exact=exact)[:6]
     assert name.startswith("rtk_chunk_fwd_f32<") and opts == () and nseg == 132 // 64
     # KMAX 64, BV 32: two CTAs fit on an SM in the TF32 mode (256 threads); the exact mode's 384 threads
     # take too many registers for two
-    assert chunk._plan(torch.float32, 64, 32, True, 8, 1 << 16, 0, (), exact=exact)[2] == (1 if exact else 2) * 132 // 8
+    assert chunk.plan_launch(torch.float32, 64, 32, True, 8, 1 << 16, 0, exact=exact)[2] == (1 if exact else 2) * 132 // 8
     # the 16-bit plan is unchanged: the wgmma kernel
-    bf = chunk._plan(torch.bfloat16, 128, 128, True, 128, 4096, 0, ())
+    bf = chunk.plan_launch(torch.bfloat16, 128, 128, True, 128, 4096, 0)
     assert bf[0].startswith("rtk_chunk_fwd<") and bf[5] == chunk.WGMMA_OPTIONS
 
 
 def test_planner_overrides_for_fp32(fake_gpu, monkeypatch):
-    monkeypatch.setattr(chunk, "force_segments", 3)
-    monkeypatch.setattr(chunk, "force_wgmma", True)  # no wgmma variant for fp32: ignored
-    monkeypatch.setattr(chunk, "force_bv", 128)      # BV follows the shared memory: ignored
-    name, bv, nseg, _, _, opts = chunk._plan(torch.float32, 64, 64, False, 2, 1000, 0, chunk._overrides())
+    # no wgmma variant for fp32 (wgmma ignored), and BV follows the shared memory (bv ignored)
+    force_chunk(monkeypatch, segments=3, wgmma=True, bv=128)
+    name, bv, nseg, _, _, opts = chunk.plan_launch(torch.float32, 64, 64, False, 2, 1000, 0, chunk.current_overrides())[:6]
     assert (name, bv, nseg, opts) == ("rtk_chunk_fwd_f32<64, 64, 2, true, false, 1>", 64, 3, ())
 
 
@@ -177,9 +177,8 @@ def test_fp32_tune_default_is_the_planner(fake_gpu, problem):
     cfg = chunk.TUNE_SPACE.default(problem, Limits(sms=132, max_smem=H200, cc=(9, 0)))
     assert cfg["wgmma"] is False
     assert chunk.TUNE_SPACE.check(problem, cfg, Limits(sms=132, max_smem=H200, cc=(9, 0))) is None
-    plan = chunk._plan(torch.float32, problem.dk, problem.dv, True, problem.bh, problem.n, 0, ())
-    tuned = chunk.tuned_launch(freeze(cfg), torch.float32, problem.dk, problem.dv, True, problem.bh, 132,
-                               True, H200)
+    plan = chunk.plan_launch(torch.float32, problem.dk, problem.dv, True, problem.bh, problem.n, 0)
+    tuned = chunk.tuned_launch(freeze(cfg), problem, Limits(sms=132, max_smem=H200), vec=True, exact=True)
     assert tuned[:3] == plan[:3] and tuned == plan
 
 
@@ -188,7 +187,7 @@ def test_fp32_tune_default_is_the_planner(fake_gpu, problem):
 def test_fp32_tune_space_never_hands_out_a_16_bit_config(problem, limit):
     """Every fp32 config the check lets through is an fp32 instance the compile test covers, in
     both modes; wgmma and BV 128 are pruned with a reason."""
-    names = kernel_instances()["chunk.cu"]
+    names = kernel_instances()[chunk.F32_SOURCE]
     limits = Limits(sms=132, max_smem=limit, cc=(9, 0))
     configs = chunk.TUNE_SPACE.configs(problem, limits)
     for config, why in configs:
@@ -200,8 +199,8 @@ def test_fp32_tune_space_never_hands_out_a_16_bit_config(problem, limit):
             continue
         for exact in (False, True):
             for vec in (False, True):
-                name = chunk.tuned_launch(freeze(config), torch.float32, problem.dk, problem.dv, vec, problem.bh,
-                                          132, exact, limit)[0]
+                name = chunk.tuned_launch(freeze(config), problem, Limits(sms=132, max_smem=limit), vec=vec,
+                                          exact=exact)[0]
                 assert name.startswith("rtk_chunk_fwd_f32<") and name in names, (config, name)
     assert any(why and "no wgmma variant" in why for _, why in configs)
 
@@ -217,9 +216,9 @@ def test_autotuner_candidates_for_fp32_start_with_the_chunk_kernel():
 
 
 def test_cached_call_key_holds_the_resolved_precision():
-    """The cached call (api._call_key) never reuses a plan across fp32 modes: the key holds
+    """The cached call (call_cache.call_key) never reuses a plan across fp32 modes: the key holds
     fp32_precision, and for float32 inputs with None, torch's float32 matmul setting."""
-    key = lambda q, prec=None: api._call_key(q, q, q, 0.9, None, 1.0, "chunk", "bhnd", None, False, prec)
+    key = lambda q, prec=None: call_cache.call_key(q, q, q, 0.9, None, 1.0, "chunk", "bhnd", None, False, prec)
     q32, q16 = torch.zeros(1, 2, 8, 4), torch.zeros(1, 2, 8, 4, dtype=torch.bfloat16)
     before = torch.get_float32_matmul_precision()
     try:

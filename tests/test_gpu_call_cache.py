@@ -5,9 +5,10 @@ call computes what the full path computes and refuses what it refuses."""
 import pytest
 import torch
 
+from inputs import force_chunk
+
 import rtkernels
-from rtkernels import api
-from rtkernels.methods import chunk
+from rtkernels import call_cache
 
 from reference import reference
 from tolerances import assert_close
@@ -27,17 +28,17 @@ def _qkv(b, h, n, dk, dv, dtype=torch.bfloat16, layout="bhnd", seed=0):
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("shape", [(2, 3, 65, 40, 72), (1, 2, 4096, 128, 128)])
 def test_repeated_calls_follow_the_data(shape, layout):
-    api._fast.clear()
+    call_cache.clear()
     decay = torch.tensor([0.5, 0.999, 0.9])[: shape[1]]
     for seed in range(3):  # the first call plans and caches; the others are cached calls
         q, k, v = _qkv(*shape, layout=layout, seed=seed)
         out = rtkernels.causal_linear_attention(q, k, v, decay, method="chunk", layout=layout)
         assert_close(out, reference(q, k, v, decay, layout=layout)[0], torch.bfloat16, "cached call")
-    assert len(api._fast) == 1
+    assert call_cache.size() == 1
 
 
 def test_in_place_change_of_a_host_decay_is_seen():
-    api._fast.clear()
+    call_cache.clear()
     q, k, v = _qkv(1, 2, 300, 64, 64)
     d = torch.tensor([0.5, 0.9])
     rtkernels.causal_linear_attention(q, k, v, d, method="chunk")
@@ -50,7 +51,7 @@ def test_in_place_change_of_a_host_decay_is_seen():
 
 
 def test_misaligned_views_get_their_own_plan():
-    api._fast.clear()
+    call_cache.clear()
     q, k, v = _qkv(1, 2, 200, 64, 64)
     rtkernels.causal_linear_attention(q, k, v, 0.9, method="chunk")
     flat = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")
@@ -58,11 +59,11 @@ def test_misaligned_views_get_their_own_plan():
     q2.copy_(q)
     out = rtkernels.causal_linear_attention(q2, k, v, 0.9, method="chunk")
     assert_close(out, reference(q, k, v, torch.full((2,), 0.9))[0], torch.bfloat16, "misaligned q")
-    assert len(api._fast) == 2
+    assert call_cache.size() == 2
 
 
 def test_bad_arguments_still_refused_after_caching():
-    api._fast.clear()
+    call_cache.clear()
     q, k, v = _qkv(1, 2, 64, 16, 16)
     rtkernels.causal_linear_attention(q, k, v, 0.9, method="chunk")
     with pytest.raises(TypeError, match="scale"):
@@ -74,7 +75,7 @@ def test_bad_arguments_still_refused_after_caching():
 
 
 def test_decode_loop_with_state_matches_the_whole_sequence():
-    api._fast.clear()
+    call_cache.clear()
     q, k, v = _qkv(2, 2, 40, 32, 48)
     d = torch.tensor([0.8, 0.99])
     whole, s_whole = rtkernels.causal_linear_attention(q, k, v, d, method="chunk", return_state=True)
@@ -94,11 +95,11 @@ def test_decode_loop_with_state_matches_the_whole_sequence():
 
 
 def test_overrides_and_autotune_changes_replan(monkeypatch):
-    api._fast.clear()
+    call_cache.clear()
     q, k, v = _qkv(1, 1, 4096, 128, 128)
     ref = reference(q, k, v, torch.full((1,), 0.999))[0]
     rtkernels.causal_linear_attention(q, k, v, 0.999, method="chunk")
-    monkeypatch.setattr(chunk, "force_segments", 3)
+    force_chunk(monkeypatch, segments=3)
     out = rtkernels.causal_linear_attention(q, k, v, 0.999, method="chunk")
     assert_close(out, ref, torch.bfloat16, "forced segments")
-    assert len(api._fast) == 2
+    assert call_cache.size() == 2

@@ -5,9 +5,10 @@ The shared tests of test_gpu_methods.py run once per kernel variant here."""
 import pytest
 import torch
 
+from inputs import force_chunk
+
 import rtkernels
 import test_gpu_methods as base
-from rtkernels.methods import chunk
 
 pytestmark = pytest.mark.gpu
 
@@ -19,8 +20,7 @@ def variant(request, monkeypatch):
     wg, bv = VARIANTS[request.param]
     if wg and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
-    monkeypatch.setattr(chunk, "force_wgmma", wg)
-    monkeypatch.setattr(chunk, "force_bv", bv)
+    force_chunk(monkeypatch, wgmma=wg, bv=bv)
     return request.param
 
 
@@ -61,14 +61,14 @@ def test_deterministic_and_strided(variant):
 def test_states_pass_dedicated_or_fused(shape, dedicated, monkeypatch):
     """The split strategy's states-only pass: the dedicated kernel rtk_chunk_states (16-bit
     default) and the fused kernel's states-only mode give the fp64 answer, Dk up to 256 included."""
-    monkeypatch.setattr(chunk, "dedicated_states", dedicated)
+    force_chunk(monkeypatch, dedicated_states=dedicated)
     base.test_chunk_split_sequence_strategy(shape, torch.bfloat16, 3, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_states_pass_unaligned(dtype, monkeypatch):
     """Operands that start off 16 bytes take the scalar loaders (VEC false) of both passes."""
-    monkeypatch.setattr(chunk, "force_segments", 4)
+    force_chunk(monkeypatch, segments=4)
     b, h, n, d = 1, 2, 1500, 64
     g = torch.Generator(device="cuda").manual_seed(5)
     q, k, v = (torch.randn(b, h, n, d + 1, device="cuda", generator=g).to(dtype)[..., 1:] for _ in range(3))

@@ -20,8 +20,10 @@ import functools
 import pytest
 import torch
 
+from inputs import force_chunk
+
 import rtkernels
-from rtkernels.methods import METHODS, auto_method, chunk
+from rtkernels.methods import METHODS, auto_method
 
 from reference import nan_reach, reference
 
@@ -88,7 +90,7 @@ def test_fp32_matches_fp64(shape, mode, monkeypatch):
     for gamma in GAMMAS:
         q, k, v, decay, ref = _case(shape, gamma)
         for segments in (None, 3):  # the heuristic (one pass here) and the split-sequence strategy
-            monkeypatch.setattr(chunk, "force_segments", segments)
+            force_chunk(monkeypatch, segments=segments)
             for layout in ("bhnd", "bnhd"):
                 qi, ki, vi, r = (q, k, v, ref) if layout == "bhnd" else \
                     (x.transpose(1, 2).contiguous() for x in (q, k, v, ref))
@@ -116,7 +118,7 @@ def test_fp32_large(mode):
 @pytest.mark.parametrize("segments", [None, 4])
 @pytest.mark.parametrize("mode", MODES)
 def test_fp32_state_in_and_out(mode, segments, monkeypatch):
-    monkeypatch.setattr(chunk, "force_segments", segments)
+    force_chunk(monkeypatch, segments=segments)
     b, h, n, dk, dv = 2, 3, 777, 48, 80
     q, k, v = _inputs(b, h, n, dk, dv, seed=2)
     rate = torch.tensor([0.0, 0.01, 2.0])
@@ -144,7 +146,7 @@ def test_fp32_state_in_and_out(mode, segments, monkeypatch):
 def test_fp32_nan_reaches_only_its_rows(where, d, mode, monkeypatch):
     b, h, n = 2, 2, 150
     for segments, row in ((None, 0), (None, 70), (None, 149), (2, 70)):
-        monkeypatch.setattr(chunk, "force_segments", segments)
+        force_chunk(monkeypatch, segments=segments)
         q, k, v = _inputs(b, h, n, d, d, seed=3)
         {"q": q, "k": k, "v": v}[where][1, 0, row, 5] = float("nan")
         out = rtkernels.causal_linear_attention(q, k, v, 1e-6, method="chunk", fp32_precision=mode).cpu()
@@ -185,12 +187,12 @@ def test_fp32_strided_views_and_long_sequence():
 
 
 def test_fp32_cached_calls_keep_their_mode():
-    """A repeated call reuses its planned launch (api._fast), one per mode, never the other mode's."""
-    from rtkernels import api
+    """A repeated call reuses its planned launch (rtkernels.call_cache), one per mode, never the other mode's."""
+    from rtkernels import call_cache
 
-    api._fast.clear()
+    call_cache.clear()
     q, k, v = _inputs(1, 4, 300, 64, 64, seed=6)
     first = {m: rtkernels.causal_linear_attention(q, k, v, 0.99, method="chunk", fp32_precision=m) for m in MODES}
-    assert len(api._fast) == 2 and not torch.equal(first["exact"], first["tf32"])
+    assert call_cache.size() == 2 and not torch.equal(first["exact"], first["tf32"])
     for m in ("tf32", "exact", "tf32"):  # cached calls
         assert torch.equal(rtkernels.causal_linear_attention(q, k, v, 0.99, method="chunk", fp32_precision=m), first[m])

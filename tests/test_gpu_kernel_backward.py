@@ -11,6 +11,8 @@ from typing import Optional
 import pytest
 import torch
 
+from inputs import force_chunk
+
 import rtkernels
 from rtkernels.autograd import backward_impl
 from rtkernels.decay import LogDecay
@@ -57,7 +59,7 @@ def test_kernel_backward_matches_fp64(case, dtype, stateful, monkeypatch):
     its roundings stays within 0.4 of the tolerance on these cases). ``stateful``: an initial state
     and a loss on the returned final state too (the G terms), else the output alone."""
     shape, segments = case
-    monkeypatch.setattr(chunk, "force_segments", segments)
+    force_chunk(monkeypatch, segments=segments)
     b, h, n, dk, dv, layout = shape
     for gamma in GAMMAS:
         (q, k, v, s0, decay, w, ws), want = _case(shape, dtype, gamma)
@@ -91,7 +93,7 @@ def test_reverse_pass_is_the_kernel_on_flipped_copies(shape, dtype, segments, mo
     """The reversed kernel pass (pointers of row N-1, negated token strides) gives bit for bit the
     kernel's output on flipped copies, flipped back, and the same final state, with and without an
     initial state and with the split-sequence strategy forced."""
-    monkeypatch.setattr(chunk, "force_segments", segments)
+    force_chunk(monkeypatch, segments=segments)
     b, h, n, dk, dv, layout = shape
     g = torch.Generator(device="cuda").manual_seed(n)
     dims = (lambda d: (b, h, n, d)) if layout == "bhnd" else (lambda d: (b, n, h, d))

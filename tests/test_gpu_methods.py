@@ -5,6 +5,8 @@ import functools
 import pytest
 import torch
 
+from inputs import force_chunk
+
 import rtkernels
 from rtkernels.methods import METHODS
 
@@ -206,9 +208,8 @@ def test_kernel_never_detaches_silently(method):
 @pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 96), (1, 1, 4096, 128, 128), (2, 1, 65, 16, 40),
                                    (1, 2, 777, 256, 200)], ids=lambda s: "x".join(map(str, s)))
 def test_chunk_split_sequence_strategy(shape, dtype, segments, monkeypatch):
-    from rtkernels.methods import chunk
 
-    monkeypatch.setattr(chunk, "force_segments", segments)
+    force_chunk(monkeypatch, segments=segments)
     b, h, n, dk, dv = shape
     q, k, v = _inputs(b, h, n, dk, dv, dtype, "bnhd", seed=9)
     decay = torch.tensor([0.999999, 0.9][:h], dtype=torch.float64)

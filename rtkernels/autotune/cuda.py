@@ -1,14 +1,19 @@
 """The GPU side of tuning: candidates from the method modules, inputs, timing, validation.
 
-* :func:`candidates` -- for each method: the configs of its module's ``TUNE_SPACE`` (pruned by
-  :class:`Limits`) when its CUDA kernel takes the problem, else one candidate, the method as it
-  runs (a torch path; pruned when its memory would not fit).
+* :func:`candidates` -- for each method of the registry: the configs of its kernel's tune space
+  (pruned by :class:`Limits`) when its CUDA kernel takes the problem, else one candidate, the
+  method as it runs (a torch path; pruned when its memory would not fit).
 * :func:`cuda_timer` -- median of CUDA-event times, the L2 cache flushed before each repetition
   when the inputs fit in it (BENCHMARK.md's protocol; the host's call overhead is included, as a
   user sees it).
-* :func:`reference_validator` -- each output against the fp64 torch path of ``chunk`` on the same
-  inputs (batch 0, as many heads as keep the reference small), with the tests' tolerances.
-* :func:`tune_problem` -- all of it for one :class:`Problem`.
+* :func:`reference_validator` -- each output against the fp64 torch path of the registry's
+  reference method on the same inputs (batch 0, as many heads as keep the reference small), with the tests' tolerances.
+* :func:`tune_problem` -- all of it for one :class:`Problem`; :func:`tune` -- for many shapes,
+  recorded in the device's store.
+
+It reaches the methods only through :mod:`rtkernels.methods.registry` (imported where used, so
+that the registry may import :mod:`.answers` while this package initialises). Importing this
+module installs :func:`tune_problem` as the lookup's tuner for autotune-on-miss.
 """
 
 from __future__ import annotations
@@ -17,11 +22,14 @@ import math
 import statistics
 from typing import Any, Callable, Optional, Sequence
 
+from . import answers, tuner
+from .keys import dtype_name
+from .answers import record, store_for_device
 from .space import Limits, Problem
-from .tuner import Candidate, Trial, TuneResult, tune
+from .tuner import Candidate, Trial, TuneResult
 
 __all__ = ["device_limits", "heuristic_method", "candidates", "cuda_timer", "reference_validator",
-           "tune_problem", "TOLERANCES", "FLUSH_BYTES"]
+           "tune_problem", "tune", "TOLERANCES", "FLUSH_BYTES"]
 
 #: Relative Frobenius error allowed per dtype (tests/tolerances.py); fp32 grows like sqrt(N / 1024).
 TOLERANCES = {"bf16": 1.2e-2, "fp16": 2e-3, "fp32": 2e-5}
@@ -51,27 +59,21 @@ def _meta(problem: Problem) -> tuple[Any, Any]:
     return q, v
 
 
-def _kernel_takes(method: str, problem: Problem) -> bool:
-    from ..methods import METHODS
-
-    m = METHODS[method]
-    return m.kernel_forward is not None and m.kernel_supports(*_meta(problem))
-
-
 def heuristic_method(problem: Problem) -> str:
-    """What ``method="auto"`` runs on a CUDA device without a store entry (see ``auto_method``)."""
-    if _kernel_takes("chunk", problem):
-        return "chunk"
-    return "scan" if _kernel_takes("scan", problem) else "chunk"
+    """What ``method="auto"`` runs on a CUDA device without a store entry (the registry's
+    :func:`~rtkernels.methods.registry.heuristic_method`, asked with meta tensors)."""
+    from ..methods.registry import Method, heuristic_method as pick
+
+    return pick(*_meta(problem), runs_kernel=Method.kernel_takes)
 
 
-def _torch_path_prune(method: str, p: Problem, limits: Limits) -> Optional[str]:
-    """Why the torch path of ``method`` is not tried: too much memory, or a Python loop per token."""
-    need = {"vanilla": 3 * p.bh * p.n * p.n * 4,            # scores and mask, fp32
-            "recursion": p.bh * p.n * (p.dk * p.dv // 32 + p.dk + p.dv) * 4 * 2}.get(method, 0)
+def _torch_path_prune(method: "Any", p: Problem, limits: Limits) -> Optional[str]:
+    """Why the torch path of ``method`` (a registry record) is not tried: too much memory, or a
+    Python loop per token."""
+    need = method.torch_bytes(p)
     if need > MEMORY_SHARE * limits.memory:
         return f"torch path needs about {need / 2**30:.1f} GiB"
-    if method in ("scan", "fleet", "block") and p.n > 4096:
+    if method.torch_loops and p.n > 4096:
         return "torch path is a Python loop over the sequence"
     return None
 
@@ -80,22 +82,20 @@ def candidates(problem: Problem, limits: Limits, methods: Optional[Sequence[str]
                ) -> list[tuple[Candidate, Optional[str]]]:
     """Every candidate for ``problem``, each with the reason it is pruned (None: it runs); the
     heuristic method's default config first."""
-    import importlib
-
-    from ..methods import METHODS
+    from ..methods.registry import METHODS
 
     names = [m for m in METHODS if methods is None or m in methods]
     first = heuristic_method(problem)
     names.sort(key=lambda m: m != first)
     out: list[tuple[Candidate, Optional[str]]] = []
     for name in names:
-        module = importlib.import_module(f"rtkernels.methods.{name}")
-        space = getattr(module, "TUNE_SPACE", None)
-        if space is not None and _kernel_takes(name, problem):
+        m = METHODS[name]
+        space = None if m.kernel is None else m.kernel.tune_space
+        if space is not None and m.kernel_takes(*_meta(problem)):
             for i, (config, why) in enumerate(space.configs(problem, limits)):
                 out.append((Candidate.of(name, config, default=i == 0), why))
         else:
-            out.append((Candidate.of(name, {}, default=True), _torch_path_prune(name, problem, limits)))
+            out.append((Candidate.of(name, {}, default=True), _torch_path_prune(m, problem, limits)))
     return out
 
 
@@ -150,10 +150,11 @@ def make_inputs(problem: Problem, device_index: int, seed: int = 0) -> tuple[Any
 def reference_validator(problem: Problem, q: Any, k: Any, v: Any, gamma: Any, max_tokens: int = 1 << 20
                         ) -> Callable[[Candidate, Any], Optional[str]]:
     """A validator: relative Frobenius error of batch 0 (the first heads, at most ``max_tokens``
-    head-tokens) against the fp64 torch path of ``chunk``, within :data:`TOLERANCES`."""
+    head-tokens) against the fp64 torch path of the registry's reference method, within
+    :data:`TOLERANCES`."""
     import torch
 
-    from .. import causal_linear_attention as cla
+    from ..methods.registry import REFERENCE_METHOD, run_method
 
     hs = max(1, min(problem.h, max_tokens // max(problem.n, 1)))
     tol = TOLERANCES[problem.dtype] * (max(1.0, (problem.n / 1024) ** 0.5) if problem.dtype == "fp32" else 1.0)
@@ -161,7 +162,10 @@ def reference_validator(problem: Problem, q: Any, k: Any, v: Any, gamma: Any, ma
 
     def validate(cand: Candidate, out: Any) -> Optional[str]:
         if not ref:
-            ref.append(cla(*(t[:1, :hs].double() for t in (q, k, v)), gamma[:hs].double(), method="chunk"))
+            q64, k64, v64 = (t[:1, :hs].double() for t in (q, k, v))
+            r = torch.empty(1, hs, problem.n, problem.dv, dtype=torch.float64, device=q.device)
+            run_method(REFERENCE_METHOD, q64, k64, v64, _log_decay(gamma[:hs], q.device), 1.0, r, None, False)
+            ref.append(r)
         r = ref[0]
         o = out[:1, :hs].double()
         if not bool(torch.isfinite(o).all()):
@@ -181,8 +185,7 @@ def tune_problem(problem: Problem, device_index: int = 0, methods: Optional[Sequ
     fail the fp32 tolerance)."""
     import torch
 
-    from .. import causal_linear_attention as cla
-    from . import forced
+    from ..methods.registry import METHODS, run_method
 
     limits = device_limits(device_index)
     with torch.cuda.device(device_index):
@@ -193,18 +196,62 @@ def tune_problem(problem: Problem, device_index: int = 0, methods: Optional[Sequ
         timer = timer or cuda_timer(device_index, reps, flush)
         validate = validate or reference_validator(problem, q, k, v, gamma)
 
-        def prepare(cand: Candidate) -> Callable[[], Any]:
-            method, config = cand.method, cand.config
+        log_decay = _log_decay(gamma, q.device)
 
-            def call() -> Any:  # fp32: the exact mode, which TOLERANCES["fp32"] checks
-                with forced(method, config):
-                    return cla(q, k, v, gamma, method=method, fp32_precision="exact")
+        def prepare(cand: Candidate) -> Callable[[], Any]:
+            """A call of one candidate as the cached API call makes it: the kernel planned once
+            (where the method plans) and repeated; fp32: the exact mode, which TOLERANCES checks."""
+            method, m = cand.method, METHODS[cand.method]
+            out = torch.empty(problem.b, problem.h, problem.n, problem.dv, dtype=q.dtype, device=q.device)
+            launcher: list[Any] = []
+
+            def call() -> Any:
+                with answers.forced(method, cand.config):
+                    if m.kernel_prepare is not None and m.uses_kernel(q, v):
+                        if not launcher:
+                            launcher.append(m.kernel_prepare(q, k, v, log_decay, 1.0, out, False,
+                                                             fp32_precision="exact"))
+                        launcher[0](q, k, v, out, None)
+                    else:
+                        run_method(method, q, k, v, log_decay, 1.0, out, None, False, fp32_precision="exact")
+                return out
             return call
 
         note = f"CUDA events, median of {reps} (3 above 50 ms), L2 " + \
             ("flushed" if flush is not None else "not flushed (inputs exceed 2x L2)")
-        result = tune(problem, candidates(problem, limits, methods), prepare, timer, validate, progress,
+        result = tuner.tune(problem, candidates(problem, limits, methods), prepare, timer, validate, progress,
                       heuristic_method=heuristic_method(problem), timer_note=note)
-        del q, k, v, flush
+        del q, k, v, flush, log_decay
     torch.cuda.empty_cache()
     return result
+
+
+def tune(shapes: Sequence[Sequence[int]], dtypes: Sequence[str] = ("bf16",), methods: Optional[Sequence[str]] = None,
+         device_index: int = 0, reps: int = 15, save: bool = True, progress: Any = None) -> list[TuneResult]:
+    """Tune every ``(B, H, N, D)`` or ``(B, H, N, Dk, Dv)`` shape in every dtype (``"bf16"``,
+    ``"fp16"``, ``"fp32"``) on CUDA device ``device_index`` over ``methods`` (default: all), and
+    record the results in the device's store (unless ``save`` is False)."""
+    store = store_for_device(device_index) if save else None
+    if save and store is None:
+        raise RuntimeError("autotuning needs a CUDA GPU and CuPy")
+    results = []
+    for shape in shapes:
+        b, h, n, *d = shape
+        dk, dv = (d[0], d[0]) if len(d) == 1 else d
+        for dt in dtypes:
+            res = tune_problem(Problem(b, h, n, dk, dv, dtype_name(dt)), device_index, methods=methods,
+                                    reps=reps, progress=progress)
+            if store is not None:
+                record(store, res)
+            results.append(res)
+    return results
+
+
+def _log_decay(gamma: Any, device: Any) -> Any:
+    """The per-head log-decay of factors ``gamma`` (a CPU tensor), known on the host."""
+    from ..decay import LogDecay
+
+    return LogDecay(device, host=tuple(math.log(g) for g in gamma.double().tolist()))
+
+
+answers.set_miss_tuner(lambda problem, device_index: tune_problem(problem, device_index))

@@ -22,8 +22,8 @@ from ..decay import LogDecay
 
 import functools
 
-from ..autotune import tuned_config
-from ..autotune.space import Limits, Problem, Space
+from ..autotune.answers import tuned_config
+from ..autotune.space import Config, Limits, Problem, Space
 from ..jit import dtype_code, get_function, launch
 from ._launch import fwd_args, operands
 from ._torch_common import inter_chunk, intra_chunk, state_update, zero_state
@@ -86,21 +86,28 @@ TUNE_SPACE = Space(params={"bv": (32, 64)}, default=lambda p, limits: {"bv": ker
 def _launch_config(dtype: torch.dtype, dk: int, dv: int, tuned: Optional[tuple] = None) -> tuple[str, int, int]:
     config = kernel_config(dtype, dk, dv)
     if tuned:
-        config = tuned_launch(tuned, config)
+        config = (config[0], config[1], dict(tuned)["bv"], *config[3:])
     _, kmax, bv, c, nt = config
     return name_expression(config), bv, smem_bytes(kmax, bv, c), nt
 
 
-def tuned_launch(config: tuple, template: tuple) -> tuple:
-    """The autotuner's adapter: a tuned config (sorted ``(name, value)`` pairs of TUNE_SPACE) applied
-    to the heuristic's template arguments (DT, KMAX, BV, C, NT)."""
-    c = dict(config)
-    return (template[0], template[1], c["bv"], *template[3:])
+def tuned_launch(config: Config, problem: Problem, limits: Limits, *, vec: bool = True,
+                 exact: bool = True) -> tuple[str, int, int, int]:
+    """The autotuner's adapter: a config of :data:`TUNE_SPACE` (sorted ``(name, value)`` pairs) ->
+    (name expression, BV, dynamic shared memory, threads) of ``rtk_block_fwd``. ``vec`` and
+    ``exact`` do not concern this kernel."""
+    return _launch_config(problem.torch_dtype, problem.dk, problem.dv, config or None)
+
+
+def instances() -> dict[str, list[str]]:
+    """Every template instance this method can ask for, by source (the CI compile test)."""
+    return {SOURCE: [name_expression(c) for c in all_configs()]}
 
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
-                   need_state: bool) -> Optional[torch.Tensor]:
+                   need_state: bool, fp32_precision: str = "exact") -> Optional[torch.Tensor]:
+    """The block kernel (``fp32_precision`` does not concern it: fp32 FMAs)."""
     b, h, n, dk = q.shape
     dv = v.shape[-1]
     q, k, v, s0, final = operands(q, k, v, initial_state, need_state)

@@ -25,8 +25,8 @@ import torch
 
 from ..decay import LogDecay
 
-from ..autotune import tuned_config
-from ..autotune.space import Space
+from ..autotune.answers import tuned_config
+from ..autotune.space import Config, Limits, Problem, Space
 from ..jit import dtype_code, get_function, launch
 from . import scan
 from ._torch_common import causal_apply, causal_decay_matrix, decay_powers, zero_state
@@ -73,19 +73,28 @@ TUNE_SPACE = Space(params={"rank_tile": (32, 64, 128)},
                    check=lambda p, c, limits: "no more rows than Dk" if c["rank_tile"] > max(32, p.dk) else None)
 
 
-def tuned_launch(config: tuple) -> int:
-    """The autotuner's adapter: a tuned config (sorted ``(name, value)`` pairs) -> the rank tile."""
+def tuned_launch(config: Config, problem: Problem, limits: Limits, *, vec: bool = True,
+                 exact: bool = True) -> int:
+    """The autotuner's adapter: a config of :data:`TUNE_SPACE` (sorted ``(name, value)`` pairs) ->
+    the rank tile (state rows per CTA of the scan kernel). ``vec`` and ``exact`` do not concern it."""
     return dict(config)["rank_tile"]
+
+
+def instances() -> dict[str, list[str]]:
+    """Every template instance this method can ask for, by source: the reduction here and the scan
+    kernel's instances (the CI compile test)."""
+    return {SOURCE: [name_expression(c) for c in all_configs()], **scan.instances()}
 
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
-                   need_state: bool) -> Optional[torch.Tensor]:
-    """Rank tiles on separate CTAs, then the fixed-order reduction over tiles."""
+                   need_state: bool, fp32_precision: str = "exact") -> Optional[torch.Tensor]:
+    """Rank tiles on separate CTAs, then the fixed-order reduction over tiles (``fp32_precision``
+    does not concern them: fp32 FMAs)."""
     tuned = tuned_config("fleet", q.get_device(), q.dtype, q.shape[0] * q.shape[1], q.shape[2], q.shape[3],
                          v.shape[3])
     partial, final = scan.launch_state_scan(q, k, v, log_decay, scale, out, initial_state, need_state,
-                                            rank_tile=tuned_launch(tuned) if tuned else RANK_TILE)
+                                            rank_tile=dict(tuned)["rank_tile"] if tuned else RANK_TILE)
     if partial is not None:
         tiles, bh, n, dv = partial.shape
         dev = q.device.index

@@ -18,8 +18,8 @@ import torch
 
 from ..decay import LogDecay
 
-from ..autotune import tuned_config
-from ..autotune.space import Limits, Problem, Space
+from ..autotune.answers import tuned_config
+from ..autotune.space import Config, Limits, Problem, Space
 from ..jit import dtype_code, get_function, launch
 from ._launch import fwd_args, operands
 from ._torch_common import zero_state
@@ -130,21 +130,29 @@ def _launch_config(dtype: torch.dtype, dk: int, rank_tile: int, tuned: Optional[
     tiles = -(-dk // rank_tile)
     config = kernel_config(dtype, -(-dk // tiles))
     if tuned:
-        config = tuned_launch(tuned, config)
+        c = dict(tuned)
+        config = (*config[:3], c["t"], c["nt"])
     return name_expression(config), config[1], config[2], config[4]
 
 
-def tuned_launch(config: tuple, template: tuple) -> tuple:
-    """The autotuner's adapter: a tuned config (sorted ``(name, value)`` pairs of TUNE_SPACE) applied
-    to the heuristic's template arguments (DT, KMAX, BV, T, NT)."""
-    c = dict(config)
-    return (*template[:3], c["t"], c["nt"])
+def tuned_launch(config: Config, problem: Problem, limits: Limits, *, vec: bool = True,
+                 exact: bool = True) -> tuple[str, int, int, int]:
+    """The autotuner's adapter: a config of :data:`TUNE_SPACE` (sorted ``(name, value)`` pairs) ->
+    (name expression, KMAX, BV, threads) of ``rtk_scan_fwd`` with all Dk rows in one CTA. ``vec``
+    and ``exact`` do not concern this kernel."""
+    return _launch_config(problem.torch_dtype, problem.dk, MAX_DIM, config or None)
+
+
+def instances() -> dict[str, list[str]]:
+    """Every template instance this method can ask for, by source (the CI compile test)."""
+    return {SOURCE: [name_expression(c) for c in all_configs()]}
 
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
-                   need_state: bool) -> Optional[torch.Tensor]:
-    """All Dk state rows in one CTA per (batch, head, value tile): the sequential scan."""
+                   need_state: bool, fp32_precision: str = "exact") -> Optional[torch.Tensor]:
+    """All Dk state rows in one CTA per (batch, head, value tile): the sequential scan
+    (``fp32_precision`` does not concern it: fp32 FMAs)."""
     tuned = tuned_config("scan", q.get_device(), q.dtype, q.shape[0] * q.shape[1], q.shape[2], q.shape[3],
                          v.shape[3])
     return launch_state_scan(q, k, v, log_decay, scale, out, initial_state, need_state, tuned=tuned)[1]

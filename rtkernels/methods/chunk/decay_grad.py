@@ -1,4 +1,4 @@
-r"""dL/dlog(gamma) for the kernel backward: one CUDA kernel (``cuda_src/chunk_decay_grad.cu``), and
+r"""dL/dlog(gamma) for the kernel backward: one CUDA kernel (``cuda_src/chunk/decay_grad.cu``), and
 the same computation in torch operations (:func:`torch_w_recurrence`) that the CPU tests check.
 
 Per batch and head, chunks of C = 64 tokens (the last one L <= C long), local index t (queries)
@@ -44,15 +44,15 @@ from typing import Optional
 
 import torch
 
-from .decay import LogDecay
-from .methods import chunk
-from .methods._launch import fwd_tail, unit_stride
-from .jit import dtype_code, get_function, launch
+from ...decay import LogDecay
+from ...jit import dtype_code, get_function, launch
+from .._launch import fwd_tail, unit_stride
+from .plan import aligned
 
 __all__ = ["SOURCE", "CHUNK", "kernel_config", "all_configs", "name_expression", "smem_bytes",
            "kernel_log_decay_grad", "torch_w_recurrence"]
 
-SOURCE = "chunk_decay_grad.cu"
+SOURCE = "chunk/decay_grad.cu"
 #: Tokens per chunk (the kernel's and :func:`torch_w_recurrence`'s).
 CHUNK = 64
 
@@ -99,7 +99,7 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     b, h, n, dk = q.shape
     dv = v.shape[-1]
     q, k, v, grad_out = unit_stride(q, k, v, grad_out)
-    vec = all(chunk._aligned(x) for x in (q, k, v, grad_out))
+    vec = all(aligned(x) for x in (q, k, v, grad_out))
     name, bv, smem = _plan(q.dtype, dk, dv, vec)
     dev = q.device.index
     fn = get_function(SOURCE, name, dev, dynamic_smem=smem)

@@ -22,7 +22,7 @@ from the end). Differentiating ``L = sum_i g_i . o_i + <G, S_N>``::
 The G terms are batched products times the powers gamma^(N-1-j), added in torch operations; no
 term is ever divided by gamma or by scale (gamma may be 1e-6 and scale 0). dlog(gamma), for a
 trainable decay, is one more kernel where the passes run the chunk kernel:
-:func:`rtkernels.decay_grad.kernel_log_decay_grad` (``cuda_src/chunk_decay_grad.cu``), which carries
+:func:`rtkernels.methods.chunk.decay_grad.kernel_log_decay_grad` (``cuda_src/chunk/decay_grad.cu``), which carries
 W = dS/dlog(gamma) forward with the state, chunk by chunk, and sums non-negative-weight terms
 only (its module docstring has the math); elsewhere the chunked four-term formula of
 :func:`rtkernels.autograd.log_decay_grad` in torch operations, shared with the torch backward. (The
@@ -60,12 +60,14 @@ from typing import Optional
 
 import torch
 
-from .autograd import BACKWARD_IMPLS, Grads, log_decay_grad
-from .decay import LogDecay
+from ...autograd import BACKWARD_IMPLS, Grads, log_decay_grad
+from ...decay import LogDecay
+from ...jit import kernels_available
+from ...jit.dtypes import compute_dtype
+from .._torch_common import decay_powers, run_torch_path
+from . import launch, plan
 from .decay_grad import kernel_log_decay_grad
-from .methods import METHODS, chunk
-from .methods._torch_common import decay_powers, run_torch_path
-from .jit.dtypes import compute_dtype
+from .torch_path import torch_forward
 
 __all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "kernel_backward", "supports", "register"]
 
@@ -80,11 +82,11 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 def kernel_runs(*tensors: torch.Tensor) -> bool:
     """Whether the ``chunk`` kernel takes these operands: CUDA tensors of one dtype of
-    :data:`KERNEL_DTYPES` (fp16, bf16), every last dimension at most ``chunk.MAX_DIM``, and CuPy
+    :data:`KERNEL_DTYPES` (fp16, bf16), every last dimension at most ``plan.MAX_DIM``, and CuPy
     with a driver."""
     x = tensors[0]
-    return (x.dtype in KERNEL_DTYPES and all(t.dtype == x.dtype and t.shape[-1] <= chunk.MAX_DIM for t in tensors)
-            and METHODS["chunk"].uses_kernel(x, x))
+    return (x.dtype in KERNEL_DTYPES and all(t.dtype == x.dtype and t.shape[-1] <= plan.MAX_DIM for t in tensors)
+            and x.is_cuda and plan.kernel_supports(x, x) and kernels_available(x.device))
 
 
 def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
@@ -98,11 +100,11 @@ def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: L
     otherwise the torch ``chunk`` path in the compute dtype on ``torch.flip``-ped copies.
     Work O(N C (Dk + Dv) + N Dk Dv)."""
     if kernel_runs(q, k, v, out):
-        return chunk.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state, reverse=reverse)
+        return launch.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state, reverse=reverse)
     if not reverse:
-        return run_torch_path(chunk.torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)
+        return run_torch_path(torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)
     flipped = torch.empty_like(out)
-    state = run_torch_path(chunk.torch_forward, q.flip(2), k.flip(2), v.flip(2), log_decay, scale, flipped,
+    state = run_torch_path(torch_forward, q.flip(2), k.flip(2), v.flip(2), log_decay, scale, flipped,
                            initial_state, need_state)
     out.copy_(flipped.flip(2))
     return state

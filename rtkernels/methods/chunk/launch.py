@@ -1,0 +1,138 @@
+"""Launching the chunk kernels: :class:`ChunkLaunch` (a planned call, repeated by the cached
+call with new pointers), :func:`kernel_prepare` and :func:`kernel_forward`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ...autotune.answers import tuned_config
+from ...autotune.keys import dtype_name
+from ...autotune.space import Limits, Problem
+from ...decay import LogDecay
+from ...jit import get_function
+from .._launch import fwd_tail, row_address, unit_stride
+from .plan import (CHUNK_KERNEL, MODE_FOLD, MODE_FUSED, MODE_STATES, SEG_SCAN_SOURCE, STATES_SOURCE, _sm_count,
+                   _smem_limit, aligned, current_overrides, plan_launch, states_config, states_name, states_smem_bytes,
+                   tuned_launch)
+
+__all__ = ["ChunkLaunch", "kernel_prepare", "kernel_forward"]
+
+
+class ChunkLaunch:
+    """A planned call of the chunk kernel: kernel, grid, shared memory and every argument but the
+    data pointers, so that repeating the call with new tensors of the same shapes, strides and
+    alignment costs the pointer reads and the launch (the host path of a cached call).
+
+    ``launch(q, k, v, out, initial_state)`` takes the tensors (any views of the planned ones' memory
+    layout: only ``data_ptr()`` is read) and returns the final state when it was planned, else None.
+    The split-sequence strategy allocates its ``[segments, B*H, Dk, Dv]`` fp32 state buffer per call
+    (two with the fused kernel's states-only mode: fp32 inputs, or ``Overrides.dedicated_states`` False).
+    """
+
+    __slots__ = ("fused", "states", "scan", "device", "lg", "lg_ptr", "nseg", "state_shape", "need_state",
+                 "offsets")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
+                 out: torch.Tensor, need_state: bool, reverse: bool = False, fp32_precision: str = "exact"):
+        b, h, n, dk = q.shape
+        dv = v.shape[-1]
+        vec = aligned(q, reverse) and aligned(k, reverse) and aligned(v, reverse)
+        # reverse: the kernel starts at row N-1 (the byte offset of that row) with negated token strides
+        self.offsets = tuple(row_address(x, True) - x.data_ptr() for x in (q, k, v, out)) if reverse else None
+        dev = q.device.index
+        bh = b * h
+        exact = fp32_precision != "tf32"  # the float32 kernel's mode (16-bit inputs ignore it)
+        over = current_overrides()
+        tuned = tuned_config("chunk", dev, q.dtype, bh, n, dk, dv)  # None: no store entry
+        if tuned and not over.steers_plan:
+            limits = Limits(sms=_sm_count(dev), max_smem=_smem_limit(dev))
+            lp = tuned_launch(tuned, Problem(b, h, n, dk, dv, dtype_name(q.dtype)), limits, vec=vec, exact=exact)
+        else:
+            lp = plan_launch(q.dtype, dk, dv, vec, bh, n, dev, over, exact=exact)
+        name, bv, nseg, smem, threads, opts = lp.name, lp.bv, lp.segments, lp.smem, lp.threads, lp.options
+        seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
+        self.nseg = nseg = -(-n // seg_len)
+        fn = get_function(lp.source, name, dev, extra_options=opts, dynamic_smem=smem)
+        grid, block, tail = (bh, -(-dv // bv), nseg), (threads, 1, 1), fwd_tail(q, k, v, out, scale, reverse)
+        # the split strategy with the dedicated states kernel: its slots, then the fused pass folding them
+        fold = nseg > 1 and q.dtype != torch.float32 and over.dedicated_states
+        # head: q, k, v, out, log-decay, initial state, final state pointers
+        self.fused = fn.bind(grid, block, smem, dev, 7, (*tail, seg_len, MODE_FOLD if fold else MODE_FUSED))
+        self.device = q.device
+        self.lg = log_decay.tensor(torch.float32)  # kept: the kernel reads it through a raw pointer
+        self.lg_ptr = self.lg.data_ptr()
+        self.need_state = need_state
+        self.state_shape = (b, h, dk, dv)
+        self.scan = None
+        if fold:
+            sc = states_config(q.dtype, dk, dv, vec, _smem_limit(dev))
+            ssmem = states_smem_bytes(sc[1], sc[2], sc[4])
+            sfn = get_function(STATES_SOURCE, states_name(sc), dev, dynamic_smem=ssmem)
+            self.states = sfn.bind((bh, -(-dv // sc[2]), nseg - 1), block, ssmem, dev, 7, (*tail, seg_len, 0))
+        elif nseg > 1:  # the fused kernel's states-only mode and the scan kernel
+            self.states = fn.bind(grid, block, smem, dev, 7, (*tail, seg_len, MODE_STATES))
+            total = bh * dk * dv
+            # head: segment states, entering states, initial state, final state, log-decay pointers
+            self.scan = get_function(SEG_SCAN_SOURCE, "rtk_chunk_seg_scan", dev).bind(
+                (min(-(-total // 256), 4096), 1, 1), (256, 1, 1), 0, dev, 5,
+                (nseg, bh, h, dk * dv, seg_len, n - (nseg - 1) * seg_len))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 initial_state: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        s0 = initial_state
+        if s0 is not None and (s0.dtype != torch.float32 or not s0.is_contiguous()):
+            s0 = s0.to(torch.float32).contiguous()
+        s0p = 0 if s0 is None else s0.data_ptr()
+        final = torch.empty(self.state_shape, dtype=torch.float32, device=self.device) if self.need_state else None
+        fp = 0 if final is None else final.data_ptr()
+        qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if self.offsets is not None:
+            oq, ok, ov, oo = self.offsets
+            qp, kp, vp, op = qp + oq, kp + ok, vp + ov, op + oo
+        if self.nseg == 1:
+            self.fused(qp, kp, vp, op, self.lg_ptr, s0p, fp)
+            return final
+        local = torch.empty((self.nseg, *self.state_shape), dtype=torch.float32, device=self.device)
+        if self.scan is None:
+            # split sequence, rtk_chunk_states: the initial state and the state each segment but the
+            # last ends with in the slots of ``local``; the fused pass folds them into each
+            # segment's entering state, and its last segment stores the final state
+            self.states(qp, kp, vp, op, self.lg_ptr, s0p, local.data_ptr())
+            self.fused(qp, kp, vp, op, self.lg_ptr, local.data_ptr(), fp)
+            return final
+        # split sequence: each segment's own state (no initial state), the scan over the segments'
+        # states, then the fused pass of each segment from its entering state
+        s_in = torch.empty_like(local)
+        self.states(qp, kp, vp, op, self.lg_ptr, 0, local.data_ptr())
+        self.scan(local.data_ptr(), s_in.data_ptr(), s0p, fp, self.lg_ptr)
+        self.fused(qp, kp, vp, op, self.lg_ptr, s_in.data_ptr(), 0)
+        return final
+
+
+def kernel_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
+                   out: torch.Tensor, need_state: bool, fp32_precision: str = "exact") -> ChunkLaunch:
+    """Plan the kernel call for ``[B, H, N, D]`` views with unit stride along D (see
+    :class:`ChunkLaunch`): the autotune store's config for the shape bucket, else :func:`.plan.plan_launch`;
+    ``fp32_precision``: the float32 kernel's mode."""
+    return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, fp32_precision=fp32_precision)
+
+
+def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
+                   scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
+                   need_state: bool, fp32_precision: str = "exact", *, reverse: bool = False) -> Optional[torch.Tensor]:
+    """One fused pass, or with few (batch, head, value-tile) CTAs the split-sequence strategy:
+    a states-only pass (``rtk_chunk_states`` for 16-bit inputs, which skips the last segment; the
+    fused kernel's states-only mode plus a scan kernel for fp32), then the fused pass per segment
+    starting from its entering state. ``fp32_precision`` ("exact" or "tf32") selects the float32 kernel's
+    mode; 16-bit inputs ignore it.
+
+    ``reverse``: the operator on the reversed sequence (token N-1 first), its output written back
+    in reverse order, i.e. ``out = flip(F(flip(q), flip(k), flip(v)))`` along the tokens, with the
+    initial state entering before token N-1 and the final state after token 0. No copy: the kernel
+    gets the pointers of row N-1 and negated token strides (:mod:`rtkernels.methods._launch`); segments and the
+    states scan work in the kernel's (reversed) token order unchanged."""
+    q, k, v = unit_stride(q, k, v)
+    return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse,
+                       fp32_precision=fp32_precision)(q, k, v, out, initial_state)

@@ -1,0 +1,423 @@
+"""Planning the chunk kernels: template instances, shared memory, tile widths, the split-sequence
+heuristic, the autotuner's space, and the turning of a config into a launch (:class:`Launch`).
+
+Nothing here launches anything: :mod:`.launch` does, with what :func:`plan_launch` or
+:func:`tuned_launch` decide. Tests and tuning steer the plan through :func:`override`
+(one :class:`Overrides` object) instead of module globals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+from typing import Iterator, NamedTuple, Optional
+
+import torch
+
+from ...autotune.space import Config, Limits, Problem, Space
+from ...jit import dtype_code
+from .._launch import row_address
+
+#: The sources of the chunk kernels, one kernel each (under ``cuda_src/``).
+FWD16_SOURCE = "chunk/fwd16.cu"
+F32_SOURCE = "chunk/fwd_f32.cu"
+STATES_SOURCE = "chunk/states.cu"
+SEG_SCAN_SOURCE = "chunk/seg_scan.cu"
+#: Largest Dk and Dv the kernel takes.
+MAX_DIM = 256
+CHUNK_KERNEL = 64  # tokens per chunk of the kernel (8 warps: 4 output warps x 16 rows, 4 state warps)
+
+
+def kernel_supports(q: torch.Tensor, v: torch.Tensor) -> bool:
+    if q.shape[-1] > MAX_DIM or v.shape[-1] > MAX_DIM:
+        return False
+    if q.dtype == torch.float32:  # when a configuration fits the device's shared memory
+        limit = _smem_limit(q.device.index) if q.is_cuda else SMEM_LIMIT_SM90
+        return f32_config(q.shape[-1], v.shape[-1], limit) is not None
+    return q.dtype in (torch.float16, torch.bfloat16)
+
+
+def _kmax(dk: int) -> int:
+    """KMAX of both kernels: the smallest of 64, 128, 256 that holds Dk."""
+    return 64 if dk <= 64 else 128 if dk <= 128 else 256
+
+
+def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, ctas: int = 0, sms: int = 1,
+                  wgmma: bool = False, bv: Optional[int] = None, exact: bool = True,
+                  smem_limit: int = 0) -> Optional[tuple]:
+    """Template arguments (DT, KMAX, BV, VEC, MINB, WG) of ``rtk_chunk_fwd`` for a grid of ``ctas``
+    CTAs on a GPU with ``sms`` multiprocessors; ``wgmma``: the GPU runs sm_90a code (Hopper), so
+    the wgmma output warpgroup is used where Dk <= 128; ``bv``: the value-tile width (the wgmma
+    kernel takes 64 or 128).
+
+    For float32: (DT, KMAX, BV, STAGES, EXACT, VEC, MINB) of ``rtk_chunk_fwd_f32`` (see
+    :func:`f32_config`; ``bv`` given: that width, with the stages that fit), or None when no tile
+    fits ``smem_limit`` bytes of shared memory per CTA (0: the limit of an H100/H200). It has no
+    wgmma variant (``wgmma`` is ignored) and always takes MINB 1."""
+    if dtype == torch.float32:
+        tile = f32_config(dk, dv, smem_limit or SMEM_LIMIT_SM90, bv)
+        return None if tile is None else (dtype_code(dtype), *tile, exact, vec, 1)
+    kmax = _kmax(dk)
+    wg = wgmma and kmax <= 128
+    if wg:  # one CTA per SM: the wgmma kernel needs more than 128 registers a thread
+        return dtype_code(dtype), kmax, bv or 64, vec, 1, True
+    bv = bv or (32 if kmax == 256 or dv <= 32 else 64)
+    return dtype_code(dtype), kmax, bv, vec, 1 if ctas <= sms else 2, False
+
+
+def states_smem_bytes(kmax: int, bv: int, stages: int) -> int:
+    """Dynamic shared memory of ``rtk_chunk_states`` (mirrors rtk_chunk_states_smem in the kernel)."""
+    return 2 * stages * CHUNK_KERNEL * ((kmax + 8) + (bv + 8))
+
+
+def states_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, smem_limit: int) -> tuple:
+    """Template arguments (DT, KMAX, BV, VEC, STAGES) of ``rtk_chunk_states``, the states-only
+    pass of the split-sequence strategy for 16-bit inputs: BV 128 where KMAX <= 128 (k read once
+    for up to 128 value columns: the pass is bandwidth-bound), else 64 (registers); 4 chunk stages
+    where they fit ``smem_limit`` bytes, else 2 (few instances to compile)."""
+    kmax = _kmax(dk)
+    bv = 128 if kmax <= 128 else 64
+    stages = 4 if states_smem_bytes(kmax, bv, 4) <= smem_limit else 2
+    return dtype_code(dtype), kmax, bv, vec, stages
+
+
+def states_name(config: tuple) -> str:
+    return "rtk_chunk_states<" + ", ".join(str(c).lower() for c in config) + ">"
+
+
+def _states_configs() -> set[tuple]:
+    return {states_config(dt, dk, 128, vec, limit) for dt in (torch.float16, torch.bfloat16)
+            for dk in (64, 128, 256) for vec in (False, True) for limit in (SMEM_LIMIT_SM90, *SMEM_LIMITS_OTHER)}
+
+
+def all_configs() -> list[tuple]:
+    plain = {kernel_config(dt, dk, dv, vec, ctas, 1) for dt in (torch.float16, torch.bfloat16)
+             for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True) for ctas in (1, 2)}
+    wg = {kernel_config(dt, dk, 128, vec, 1, 1, True, bv) for dt in (torch.float16, torch.bfloat16)
+          for dk in (64, 128) for vec in (False, True) for bv in (64, 128)}
+    return sorted(plain | wg | _f32_configs())
+
+
+def _is_f32(config: tuple) -> bool:
+    return config[0] == dtype_code(torch.float32)
+
+
+def name_expression(config: tuple) -> str:
+    if _is_f32(config):
+        return "rtk_chunk_fwd_f32<" + ", ".join(str(c).lower() for c in config[1:]) + ">"
+    return "rtk_chunk_fwd<" + ", ".join(str(c).lower() for c in config) + ">"
+
+
+def smem_bytes(kmax: int, bv: int, wg: bool = False) -> int:
+    """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in the kernel): two stages
+    of q/k/v tiles, two 16-bit state copies (one for KMAX 256), and with ``wg`` two buffers of output
+    rows."""
+    c = CHUNK_KERNEL
+    copies = 1 if kmax == 256 else 2
+    if wg:  # 128-byte-swizzled tiles without padding, two output-row buffers (rows padded by 16
+        # bytes), + slack to align the base to 1024 bytes
+        return 2 * (2 * (2 * c * kmax + c * bv) + copies * kmax * bv + 2 * c * (bv + 8)) + 32 + 1024
+    return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + copies * kmax * (bv + 8)) + 32
+
+
+def f32_threads(exact: bool) -> int:
+    """Threads of a ``rtk_chunk_fwd_f32`` CTA (rtk_chunk_f32_smem::THREADS): 4 output warps and 8
+    state warps in the exact mode (its operand splits leave gaps a third warp per SM sub-partition
+    fills), 4 in the TF32 mode."""
+    return 384 if exact else 256
+
+
+def f32_smem_bytes(kmax: int, bv: int, stages: int = 2) -> int:
+    """Dynamic shared memory of ``rtk_chunk_fwd_f32`` with ``stages`` stages (mirrors
+    rtk_chunk_f32_smem in the kernel): per stage the q, k and v tiles, then the fp32 state copy and
+    the 8 q S pieces the state warps compute (16 x BV/4 floats each)."""
+    c = CHUNK_KERNEL
+    return 4 * (stages * (2 * c * (kmax + 4) + c * (bv + 4)) + kmax * (bv + 8) + 8 * 16 * (bv // 4))
+
+
+def config_smem(config: tuple) -> int:
+    """Dynamic shared memory of a :func:`kernel_config` template, either kernel."""
+    if _is_f32(config):
+        return f32_smem_bytes(config[1], config[2], config[3])
+    return smem_bytes(config[1], config[2], config[5])
+
+
+# ---- float32: tiles that fit the device's shared memory ------------------------------------------
+
+#: Largest dynamic shared memory per CTA (opt-in) of sm_90 (H100/H200) and of sm_100.
+SMEM_LIMIT_SM90 = 227 * 1024
+#: The same for sm_80 / sm_87 (A100, Orin) and for sm_86 / sm_89 / sm_120 (consumer GPUs, L40S).
+SMEM_LIMITS_OTHER = (163 * 1024, 99 * 1024)
+
+def f32_stages(kmax: int, bv: int, smem_limit: int) -> Optional[int]:
+    """Stages of q/k/v tiles of ``rtk_chunk_fwd_f32`` with this tile: 2 where they fit
+    ``smem_limit`` bytes, else 1, else None."""
+    return next((st for st in (2, 1) if f32_smem_bytes(kmax, bv, st) <= smem_limit), None)
+
+
+def f32_config(dk: int, dv: int, smem_limit: int, bv: Optional[int] = None) -> Optional[tuple[int, int, int]]:
+    """(KMAX, BV, STAGES) of ``rtk_chunk_fwd_f32`` for these head sizes: KMAX the smallest of 64,
+    128, 256 that holds Dk; 64 value columns per CTA (32 when Dv <= 32 or KMAX = 256), two stages
+    of q/k/v tiles. Where that does not fit ``smem_limit`` bytes: 32 value columns, then a single
+    stage. None when nothing fits (e.g. KMAX = 256 below ~180 KB). With ``bv`` given (a tuned
+    width): that width with the stages that fit (:func:`f32_stages`)."""
+    kmax = _kmax(dk)
+    if bv is not None:
+        stages = f32_stages(kmax, bv, smem_limit)
+        return None if stages is None else (kmax, bv, stages)
+    bv = 32 if kmax == 256 or dv <= 32 else 64
+    for tile in ((bv, 2), (32, 2), (bv, 1), (32, 1)):
+        if f32_smem_bytes(kmax, *tile) <= smem_limit:
+            return kmax, *tile
+    return None
+
+
+def _f32_configs() -> set[tuple]:
+    """Every float32 instance the heuristic (:func:`f32_config`) or a tuned width (BV 32 or 64,
+    :data:`TUNE_SPACE`) can ask for on the devices of SMEM_LIMIT_*: each tile with the stages
+    that fit, in both modes, with and without VEC."""
+    out = set()
+    for limit in (SMEM_LIMIT_SM90, *SMEM_LIMITS_OTHER):
+        for kmax in (64, 128, 256):
+            for bv in ((32,) if kmax == 256 else (32, 64)):
+                for vec in (False, True):
+                    for exact in (False, True):
+                        c = kernel_config(torch.float32, kmax, bv, vec, bv=bv, exact=exact, smem_limit=limit)
+                        if c is not None:
+                            out.add(c)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit(dev: int) -> int:
+    """Largest dynamic shared memory per CTA (opt-in) of device ``dev``, in bytes."""
+    props = torch.cuda.get_device_properties(dev)
+    limit = getattr(props, "shared_memory_per_block_optin", 0)
+    if not limit:
+        import cupy
+
+        limit = cupy.cuda.Device(dev).attributes["MaxSharedMemoryPerBlockOptin"]
+    return int(limit)
+
+
+def aligned(x: torch.Tensor, reverse: bool = False) -> bool:
+    """Whether every row the kernel reads starts on 16 bytes (the cp.async loads): the first row it
+    reads (token N-1 with ``reverse``) and strides that are multiples of 16 bytes (either sign)."""
+    s = x.stride()
+    per16 = 16 // x.element_size()
+    return row_address(x, reverse) % 16 == 0 and s[0] % per16 == 0 and s[1] % per16 == 0 and s[2] % per16 == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(dev: int) -> int:
+    return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _is_sm90(dev: int) -> bool:
+    return torch.cuda.get_device_capability(dev) == (9, 0) and os.environ.get("RTKERNELS_NO_WGMMA") != "1"
+
+
+def _wgmma_ok(dev: int, overrides: Overrides) -> bool:
+    """Whether the wgmma kernel may run on device ``dev``: compute capability 9.0 exactly (sm_90a
+    code runs on no other), unless RTKERNELS_NO_WGMMA=1 or ``overrides.wgmma`` says otherwise."""
+    return _is_sm90(dev) if overrides.wgmma is None else overrides.wgmma
+
+
+#: Compiler options of the wgmma instances (Hopper-specific code).
+WGMMA_OPTIONS = ("-arch=sm_90a",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+    """What a test or a measurement may force on the chunk kernel's plan (None: the heuristic or
+    the tuned config decides). ``segments``: the number of sequence segments; ``wgmma``: the wgmma
+    kernel on or off; ``bv``: the value-tile width. float32 inputs take ``segments`` only (their
+    kernel has no wgmma variant and its BV follows the shared memory). ``dedicated_states``: the
+    split-sequence strategy of 16-bit inputs, the states kernel ``rtk_chunk_states`` plus a fused
+    pass folding its slots (True), or the fused kernel's states-only mode, ``rtk_chunk_seg_scan``
+    and the fused pass (False; float32 always takes the latter)."""
+
+    segments: Optional[int] = None
+    wgmma: Optional[bool] = None
+    bv: Optional[int] = None
+    dedicated_states: bool = True
+
+    @property
+    def steers_plan(self) -> bool:
+        """Whether the plan ignores the tuned config (a segment count, kernel or width is forced)."""
+        return self.segments is not None or self.wgmma is not None or self.bv is not None
+
+
+#: The :class:`Overrides` in force; :func:`override` sets it for a block (tests may also replace
+#: it, e.g. with pytest's monkeypatch).
+overrides = Overrides()
+
+
+def current_overrides() -> Overrides:
+    """The :class:`Overrides` in force (part of the cached call's plan epoch)."""
+    return overrides
+
+
+@contextlib.contextmanager
+def override(**changes) -> Iterator[Overrides]:
+    """Within the block, the chunk kernel's plan follows ``Overrides(**changes)`` (fields not
+    named keep their values), e.g. ``with override(segments=4): causal_linear_attention(...)``."""
+    global overrides
+    prev = overrides
+    overrides = dataclasses.replace(prev, **changes)
+    try:
+        yield overrides
+    finally:
+        overrides = prev
+
+
+#: The last field of the chunk kernels' parameters (RTK_MODE_* in the kernels).
+MODE_FUSED, MODE_STATES, MODE_FOLD = 0, 1, 2
+
+
+class Launch(NamedTuple):
+    """A planned fused pass: name expression, value-tile width, sequence segments, dynamic shared
+    memory, threads per CTA, compiler options, and the source holding the kernel."""
+
+    name: str
+    bv: int
+    segments: int
+    smem: int
+    threads: int
+    options: tuple
+    source: str
+
+
+def segments_for(bh_tiles: int, n: int, sms: int, ctas_per_sm: int = 2) -> int:
+    """The split-sequence heuristic: when the (batch, head, value-tile) CTAs fill at most half the
+    multiprocessors and the sequence holds at least 2048 tokens, split it into segments of at least
+    8 chunks, as many as fit in one wave of ``ctas_per_sm`` CTAs per multiprocessor (the extra
+    states pass costs less than idle multiprocessors; a second, partial wave costs more)."""
+    if 2 * bh_tiles > sms or n < 2048:
+        return 1
+    return max(1, min(ctas_per_sm * sms // bh_tiles, n // (8 * CHUNK_KERNEL)))
+
+
+def ctas_per_sm(dtype: torch.dtype, dk: int, bv: int, wg: bool, smem_limit: int, exact: bool = True) -> int:
+    """CTAs that share a multiprocessor, for :func:`segments_for`: the wgmma kernel 1 (its
+    registers), the 16-bit mma.sync kernel 2; the float32 kernel in the exact mode 1 (384 threads of
+    105 to 158 registers), in the TF32 mode 2 when two of its CTAs fit ``smem_limit`` bytes of
+    shared memory (KMAX 64, BV 32: 126 registers), else 1."""
+    if wg:
+        return 1
+    if dtype != torch.float32:
+        return 2
+    kmax = _kmax(dk)
+    stages = f32_stages(kmax, bv, smem_limit)
+    two = not exact and stages is not None and 2 * f32_smem_bytes(kmax, bv, stages) <= smem_limit
+    return 2 if two else 1
+
+
+def value_tile(dv: int, bh: int, n: int, sms: int) -> int:
+    """The value-tile width BV. The wgmma kernel takes 128 (q k^T shared by all Dv <= 128 value
+    columns, one CTA per SM) when Dv > 64 and the (batch, head) CTAs fill at least 3/4 of the SMs
+    or the sequence is split anyway, else 64 (twice the CTAs for a grid that would leave SMs
+    idle)."""
+    t128 = bh * -(-dv // 128)
+    return 128 if dv > 64 and (4 * t128 >= 3 * sms or (2 * t128 <= sms and n >= 2048)) else 64
+
+
+def _default_bv(dtype: torch.dtype, dk: int, dv: int, smem_limit: int) -> int:
+    """BV of the mma.sync kernels' heuristic (float32: the widest tile that fits, 32 if none)."""
+    if dtype == torch.float32:
+        tile = f32_config(dk, dv, smem_limit)
+        return 32 if tile is None else tile[1]
+    return kernel_config(dtype, dk, dv, True)[2]
+
+
+def _launch_of(config: Optional[tuple], nseg: int) -> Launch:
+    """The :class:`Launch` of a :func:`kernel_config` template with ``nseg`` segments."""
+    if config is None:
+        raise ValueError("no rtk_chunk_fwd_f32 tile fits this GPU's shared memory")
+    f32 = _is_f32(config)
+    wg = not f32 and config[5]
+    threads = f32_threads(config[4]) if f32 else 256
+    return Launch(name_expression(config), config[2], nseg, config_smem(config), threads,
+                  WGMMA_OPTIONS if wg else (), F32_SOURCE if f32 else FWD16_SOURCE)
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_launch(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: int, dev: int,
+         overrides: Overrides = Overrides(), exact: bool = True) -> Launch:
+    """The heuristic's launch on device ``dev`` (no tuned config); ``exact``: the float32
+    kernel's mode (3xTF32, else TF32)."""
+    wg = dtype != torch.float32 and _wgmma_ok(dev, overrides) and dk <= 128
+    sms, limit = _sm_count(dev), _smem_limit(dev)
+    bv = (overrides.bv or value_tile(dv, bh, n, sms)) if wg else _default_bv(dtype, dk, dv, limit)
+    tiles = bh * -(-dv // bv)
+    nseg = overrides.segments or segments_for(tiles, n, sms, ctas_per_sm(dtype, dk, bv, wg, limit, exact))
+    return _launch_of(kernel_config(dtype, dk, dv, vec, tiles * nseg, sms, wg, bv, exact, limit), nseg)
+
+
+def _tune_default(p: Problem, limits: Limits) -> dict:
+    """The heuristic (:func:`plan_launch`'s choices) as a tuning config."""
+    dt = p.torch_dtype
+    wg = dt != torch.float32 and limits.cc == (9, 0) and p.dk <= 128
+    bv = value_tile(p.dv, p.bh, p.n, limits.sms) if wg else _default_bv(dt, p.dk, p.dv, limits.max_smem)
+    nseg = segments_for(p.bh * -(-p.dv // bv), p.n, limits.sms, ctas_per_sm(dt, p.dk, bv, wg, limits.max_smem))
+    nseg = -(-p.n // (-(-p.n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL))
+    return {"wgmma": wg, "bv": bv, "segments": nseg}
+
+
+def _tune_check(p: Problem, config: dict, limits: Limits) -> Optional[str]:
+    kmax = _kmax(p.dk)
+    f32 = p.torch_dtype == torch.float32
+    wg, bv, nseg = config.get("wgmma", False), config["bv"], config["segments"]
+    if wg and f32:
+        return "the fp32 kernel (TF32 mma.sync) has no wgmma variant"
+    if wg and (kmax > 128 or bv < 64 or limits.cc != (9, 0)):
+        return "the wgmma kernel takes Dk <= 128 and BV 64 or 128, on compute capability 9.0"
+    if not wg and bv > 64:
+        return "the mma.sync kernel takes BV 32 or 64"
+    if kmax == 256 and bv > 32:
+        return "KMAX 256 with BV 64 needs more registers than a thread has"
+    if bv > 32 and p.dv <= 32:
+        return "BV wider than Dv"
+    need = f32_smem_bytes(kmax, bv, 1) if f32 else smem_bytes(kmax, bv, wg)  # fp32: one stage at least
+    if need > limits.max_smem:
+        return f"needs {need} B of shared memory, the GPU gives {limits.max_smem}"
+    seg_len = -(-p.n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
+    if nseg > 1 and -(-p.n // seg_len) != nseg:
+        return f"N = {p.n} gives fewer than {nseg} segments"
+    if nseg > 1 and seg_len < 4 * CHUNK_KERNEL:
+        return "segments shorter than 4 chunks"
+    return None
+
+
+#: The autotuner's space (rtkernels.autotune): the wgmma kernel or the mma.sync one, the tile width
+#: BV and the number of sequence segments; KMAX follows Dk, VEC the operands' alignment, MINB the grid.
+#: float32 problems get the part of it their kernel runs (no wgmma, BV 32 or 64; the stages follow
+#: the shared memory), the rest is pruned with a reason by the check.
+TUNE_SPACE = Space(params={"wgmma": (False, True), "bv": (32, 64, 128),
+                           "segments": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)},
+                   default=_tune_default, check=_tune_check)
+
+
+@functools.lru_cache(maxsize=1024)
+def tuned_launch(config: Config, problem: Problem, limits: Limits, *, vec: bool = True,
+                 exact: bool = True) -> Launch:
+    """The autotuner's adapter (every kernel method has one of this signature): a config of
+    :data:`TUNE_SPACE` (sorted ``(name, value)`` pairs) for ``problem`` on a GPU of ``limits`` ->
+    its :class:`Launch`. ``vec``: every operand row 16-byte aligned; ``exact``: the float32
+    kernel's mode (its stages follow ``limits.max_smem``)."""
+    c = dict(config)
+    wg, bv, nseg = bool(c.get("wgmma", False)), c["bv"], c["segments"]
+    dv = problem.dv
+    return _launch_of(kernel_config(problem.torch_dtype, problem.dk, dv, vec, problem.bh * -(-dv // bv) * nseg,
+                                    limits.sms, wg, bv, exact, limits.max_smem), nseg)
+
+
+def instances() -> dict[str, list[str]]:
+    """Every template instance the plans can ask for, by source (the CI compile test)."""
+    fwd: dict[str, list[str]] = {FWD16_SOURCE: [], F32_SOURCE: []}
+    for c in all_configs():
+        fwd[F32_SOURCE if _is_f32(c) else FWD16_SOURCE].append(name_expression(c))
+    return {**fwd, STATES_SOURCE: sorted(states_name(c) for c in _states_configs()), SEG_SCAN_SOURCE: ["rtk_chunk_seg_scan"]}
