@@ -25,7 +25,7 @@ gradient of the returned final state, zero when it is not returned or not used):
 
 The last line is the chain rule through S_i = exp(log gamma) S_{i-1} + ...: every step's decay is
 the same parameter. The reverse recursion of U has the shape of the forward recursion, so it is
-computed in the same chunked, numerically safe form (DESIGN.md §1): only non-negative powers of
+computed in the same chunked, numerically safe form (docs/design.md): only non-negative powers of
 gamma. Chunk c holds rows t = 0 .. L-1 (L = C, the last chunk: what is left); with S the forward
 state entering the chunk (recomputed: a scan over the chunks' own states) and D the adjoint
 arriving from the right (D = G for the last chunk, and D_{c-1} = gamma^L D_c + sum_s gamma^(s+1)

@@ -4,7 +4,7 @@
   (pruned by :class:`Limits`) when its CUDA kernel takes the problem, else one candidate, the
   method as it runs (a torch path; pruned when its memory would not fit).
 * :func:`cuda_timer` -- median of CUDA-event times, the L2 cache flushed before each repetition
-  when the inputs fit in it (BENCHMARK.md's protocol; the host's call overhead is included, as a
+  when the inputs fit in it (docs/benchmark.md's protocol; the host's call overhead is included, as a
   user sees it).
 * :func:`reference_validator` -- each output against the fp64 torch path of the registry's
   reference method on the same inputs (batch 0, as many heads as keep the reference small), with the tests' tolerances.
@@ -133,7 +133,7 @@ def cuda_timer(device_index: int, reps: int = 15, flush: Any = None, slow_ms: fl
 
 
 def make_inputs(problem: Problem, device_index: int, seed: int = 0) -> tuple[Any, Any, Any, Any]:
-    """BENCHMARK.md's inputs: q, k = randn / sqrt(Dk), v = randn, gamma spread over heads
+    """The inputs of docs/benchmark.md: q, k = randn / sqrt(Dk), v = randn, gamma spread over heads
     (1 - exp(linspace(log(1/32), log(1/512), H)), a float32 CPU tensor)."""
     import torch
 

@@ -1,6 +1,6 @@
 """Named sets of shapes for ``rtkernels autotune --preset``.
 
-``standard`` is BENCHMARK.md's forward shapes, each with the dtypes its row lists; ``quick`` is a
+``standard`` is the forward shapes of docs/benchmark.md, each with the dtypes its row lists; ``quick`` is a
 few small shapes for a smoke run.
 """
 

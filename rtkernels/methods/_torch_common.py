@@ -3,7 +3,7 @@
 Tensors are ``[B, H, ..., n, D]`` (the head dimension second; optional block dimensions between
 the head and the token dimension), already in the compute dtype (float64 for float64 inputs,
 float32 otherwise). ``log_decay`` is the per-head ``log(gamma)``, shape ``[H]``, values <= 0.
-Only non-negative powers of gamma are ever formed (DESIGN.md §1), so nothing overflows for any
+Only non-negative powers of gamma are ever formed (docs/design.md), so nothing overflows for any
 gamma in (0, 1] and any sequence length.
 """
 
