@@ -13,7 +13,7 @@ from .methods.chunk import decay_grad as _chunk_decay_grad
 
 # Former module names, kept working: rtkernels.kernel_backward and rtkernels.decay_grad now live
 # in the chunk method's package.
-_sys.modules[f"{__name__}.kernel_backward"] = _chunk_backward
-_sys.modules[f"{__name__}.decay_grad"] = _chunk_decay_grad
+kernel_backward = _sys.modules[f"{__name__}.kernel_backward"] = _chunk_backward
+decay_grad = _sys.modules[f"{__name__}.decay_grad"] = _chunk_decay_grad
 
 __all__ = ["causal_linear_attention", "METHODS", "METHOD_NAMES", "LAYOUTS", "DTYPES", "__version__"]

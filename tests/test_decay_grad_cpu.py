@@ -1,4 +1,4 @@
-"""The math of the dlog(gamma) kernel (rtkernels/decay_grad.py, cuda_src/chunk_decay_grad.cu), on the
+"""The math of the dlog(gamma) kernel (rtkernels/methods/chunk/decay_grad.py, cuda_src/chunk/decay_grad.cu), on the
 CPU: :func:`~rtkernels.decay_grad.torch_w_recurrence` -- the kernel's computation in torch
 operations, the W = dS/dlog(gamma) recurrence -- against autograd through the fp64 reference and
 against the four-term adjoint formula of the torch backward; the kernel's configurations. The

@@ -1,5 +1,5 @@
 """The dlog(gamma) kernel of the kernel backward on the GPU (marker ``gpu``;
-cuda_src/chunk_decay_grad.cu through rtkernels.decay_grad.kernel_log_decay_grad): against autograd
+cuda_src/chunk/decay_grad.cu through rtkernels.methods.chunk.decay_grad.kernel_log_decay_grad): against autograd
 through the fp64 reference, on odd shapes and both 16-bit dtypes, with transposed and unaligned
 views, NaN, determinism, and ``loss.backward()`` reaching it."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import rtkernels
-import rtkernels.kernel_backward as kb
+import rtkernels.methods.chunk.backward as kb
 from reference import reference
-from rtkernels import decay_grad
+from rtkernels.methods.chunk import decay_grad
 from rtkernels.decay import LogDecay
 from tolerances import REL_FRO
 

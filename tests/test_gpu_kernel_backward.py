@@ -16,7 +16,7 @@ from inputs import force_chunk
 import rtkernels
 from rtkernels.autograd import backward_impl
 from rtkernels.decay import LogDecay
-from rtkernels.kernel_backward import forward_pass, kernel_backward
+from rtkernels.methods.chunk.backward import forward_pass, kernel_backward
 from rtkernels.methods import chunk
 
 from reference import reference

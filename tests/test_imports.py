@@ -114,3 +114,19 @@ def test_autotune_reaches_methods_only_through_the_registry():
         if mod.startswith("rtkernels.autotune"):
             bad = {d for d in deps if d.startswith("rtkernels.methods") and d != "rtkernels.methods.registry"}
             assert not bad and "rtkernels.api" not in deps and "rtkernels" not in deps, (mod, deps)
+
+
+def test_former_module_names_still_work():
+    """Modules that moved keep their old import paths, as the very same module objects."""
+    import rtkernels.decay_grad
+    import rtkernels.jit
+    import rtkernels.kernel_backward
+    import rtkernels.methods.chunk.backward
+    import rtkernels.methods.chunk.decay_grad
+    import rtkernels.runtime
+    import rtkernels.runtime.kernel_cache
+
+    assert rtkernels.kernel_backward is rtkernels.methods.chunk.backward
+    assert rtkernels.decay_grad is rtkernels.methods.chunk.decay_grad
+    assert rtkernels.runtime.kernel_cache is rtkernels.jit.kernel_cache
+    assert rtkernels.runtime.get_function is rtkernels.jit.get_function

@@ -1,4 +1,4 @@
-"""The backward built from three forward passes (rtkernels/kernel_backward.py), on the CPU.
+"""The backward built from three forward passes (rtkernels/methods/chunk/backward.py), on the CPU.
 
 Without the kernel, :func:`~rtkernels.kernel_backward.forward_pass` runs the torch ``chunk`` path on
 flipped tensors, so these fp64 tests check the decomposition itself (the reversed passes, the
@@ -21,7 +21,7 @@ import test_grad_cpu as grad_cpu
 from inputs import make_qkv, make_state, randn
 from reference import reference
 from rtkernels.decay import LogDecay
-from rtkernels.kernel_backward import forward_pass, kernel_backward, supports
+from rtkernels.methods.chunk.backward import forward_pass, kernel_backward, supports
 from tolerances import assert_close
 
 F64 = torch.float64
