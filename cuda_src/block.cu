@@ -10,7 +10,7 @@
 // Only non-negative powers of gamma are formed. The sums over s run over s <= t only, so a NaN
 // in v_s reaches the rows t >= s and no others. Plain fp32 FMAs: the tensor-core version of the
 // same algorithm is the chunk method.
-#include "rtk_common.cuh"
+#include "include/params.cuh"
 
 template <int KMAX, int BV, int C>
 struct rtk_block_smem {

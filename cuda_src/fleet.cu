@@ -5,7 +5,7 @@
 // kernel with gridDim.z = number of rank tiles), each leaving its tile's partial output in an
 // fp32 workspace; this kernel adds the tiles in a fixed order (no atomics, so every run gives
 // the same bits), scales and stores the output in the input dtype and layout.
-#include "rtk_common.cuh"
+#include "include/params.cuh"
 
 template <int DT>
 __global__ void rtk_fleet_reduce(const float* __restrict__ partial,  // [tiles, B*H, N, Dv]

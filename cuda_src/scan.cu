@@ -18,7 +18,7 @@
 //
 // The decay is applied as S + (gamma - 1) * S with gamma - 1 = expm1(log_decay) held exactly in
 // fp32, so a gamma close to 1 does not drift the way multiplying by a rounded fp32 gamma would.
-#include "rtk_common.cuh"
+#include "include/params.cuh"
 
 template <int DT, int KMAX, int BV, int T, int NT>
 __global__ void __launch_bounds__(NT)

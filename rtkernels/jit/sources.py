@@ -1,9 +1,12 @@
 """Locating and preparing the CUDA sources shipped with rtkernels.
 
 The sources live in ``cuda_src/``: at the top of a source checkout (editable installs) and inside
-the package as ``rtkernels/cuda_src`` in a built wheel. :func:`load_source` returns a source with
-every ``#include "..."`` of a sibling header inlined (with ``#line`` markers, so NVRTC's messages
-still name the original file and line). The compiled text therefore contains every header, and
+the package as ``rtkernels/cuda_src`` in a built wheel; ``include/`` holds the headers by topic,
+``chunk/`` the chunk method's kernels, one kernel per ``.cu`` file. Sources are named by their
+path under ``cuda_src`` (``"scan.cu"``, ``"chunk/fwd16.cu"``). :func:`load_source` returns a
+source with every ``#include "..."`` inlined once, each path resolved against the including
+file's directory as a C compiler would (with ``#line`` markers, so NVRTC's messages still name
+the original file and line). The compiled text therefore contains every header, and
 any cache keyed on the text is keyed on the headers too.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import posixpath
 import re
 from pathlib import Path
 
@@ -24,16 +28,21 @@ def source_dir() -> Path:
     """Directory holding the ``.cu`` and ``.cuh`` files (wheel layout first, then checkout)."""
     here = Path(__file__).resolve().parent.parent  # the rtkernels package directory
     for candidate in (here / "cuda_src", here.parent / "cuda_src"):
-        if (candidate / "rtk_common.cuh").is_file():
+        if (candidate / "include" / "types.cuh").is_file():
             return candidate
     raise FileNotFoundError(
         f"rtkernels cannot find its CUDA sources: looked for cuda_src/ in {here} and {here.parent}"
     )
 
 
+def _files(suffixes: tuple[str, ...]) -> list[str]:
+    root = source_dir()
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.suffix in suffixes)
+
+
 def list_sources() -> list[str]:
-    """Names of every kernel source (``*.cu``), sorted."""
-    return sorted(p.name for p in source_dir().glob("*.cu"))
+    """Every kernel source (``*.cu``) as its path under ``cuda_src``, sorted."""
+    return _files((".cu",))
 
 
 def _inline(name: str, seen: set[str]) -> str:
@@ -45,7 +54,7 @@ def _inline(name: str, seen: set[str]) -> str:
     pos = 0
     for m in _INCLUDE.finditer(text):
         out.append(text[pos:m.start()])
-        header = m.group(1)
+        header = posixpath.normpath(posixpath.join(posixpath.dirname(name), m.group(1)))
         if header not in seen:
             seen.add(header)
             out.append(_inline(header, seen))
@@ -64,9 +73,9 @@ def load_source(name: str) -> str:
 
 @functools.lru_cache(maxsize=1)
 def sources_hash() -> str:
-    """sha256 over every shipped source and header (name and content), hex, 16 characters."""
+    """sha256 over every shipped source and header (path and content), hex, 16 characters."""
     h = hashlib.sha256()
-    for p in sorted(source_dir().iterdir()):
-        if p.suffix in (".cu", ".cuh"):
-            h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    root = source_dir()
+    for name in _files((".cu", ".cuh")):
+        h.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
     return h.hexdigest()[:16]

@@ -61,7 +61,10 @@
 //
 // NaN: any NaN in q, k, v or do of a (batch, head) reaches its partial sum (products with weight
 // 0 included); the state terms keep NaN through S and W.
-#include "rtk_common.cuh"
+#include "../include/copy.cuh"
+#include "../include/mma_sm80.cuh"
+#include "../include/params.cuh"
+#include "../include/state_frag.cuh"
 
 // Shared memory: two stages of q, k (64 x KMAX) and v, do (64 x BV), rows padded by 16 bytes
 // (conflict-free ldmatrix).

@@ -1,0 +1,74 @@
+// chunk/decay.cuh -- an output warp's decay factors (non-negative powers of gamma only).
+#pragma once
+#include "../include/types.cuh"
+
+// An output warp's decay factors, fixed for the whole sequence; the warp owns rows r0 .. r0+15 of
+// each chunk, (g, t4) are the thread's fragment coordinates. gamma^(8 - 2 t4 - e) for the thread's
+// two key columns in an 8-wide tile (exponents 1..8), gamma^8 to step one tile to the left,
+// gamma^(t - r0) * scale for its two rows (t = r0 + g, + 8), gamma^(r0 + 1), and gamma^(t - s) *
+// scale inside the 16 x 16 diagonal block (-1 where s > t: the mask is a select).
+struct rtk_chunk_decay {
+  float col_f0, col_f1, g8, row_lo, row_hi, inter0, diag[2][4];
+
+  __device__ __forceinline__ rtk_chunk_decay(float lg2, float scale, int g, int t4, int r0) {
+    col_f0 = rtk_exp2(lg2 * (float)(8 - 2 * t4));
+    col_f1 = rtk_exp2(lg2 * (float)(7 - 2 * t4));
+    g8 = rtk_exp2(lg2 * 8.f);
+    row_lo = rtk_exp2(lg2 * (float)g) * scale;
+    row_hi = rtk_exp2(lg2 * (float)(g + 8)) * scale;
+    inter0 = rtk_exp2(lg2 * (float)(r0 + 1));
+    #pragma unroll
+    for (int jd = 0; jd < 2; ++jd)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int dt = g + (e >> 1) * 8 - (jd * 8 + 2 * t4 + (e & 1));
+        diag[jd][e] = dt >= 0 ? rtk_exp2(lg2 * (float)dt) * scale : -1.f;
+      }
+  }
+  // The scores p[j] of key tiles j left of warp w's diagonal block times gamma^(r0-s): tile j
+  // lies 8(2w-1-j) + (8 - 2 t4 - e) to the left of r0 (the rows' gamma^(t-r0) comes later).
+  __device__ __forceinline__ void scale_left(float (&p)[8][4], int w) const {
+    float step = 1.f;
+    #pragma unroll
+    for (int j = 7; j >= 0; --j) {
+      if (j < 2 * w) {
+        const float f0 = col_f0 * step, f1 = col_f1 * step;
+        p[j][0] *= f0; p[j][1] *= f1; p[j][2] *= f0; p[j][3] *= f1;
+        step *= g8;
+      }
+    }
+  }
+  // All 64 keys of warp W's scores (the wgmma kernel): gamma^(t-s) * scale for s <= t (left of
+  // the diagonal block, right to left, as row factor x column factor, gamma^(r0-s) = col_f *
+  // gamma^(8 per tile); inside it directly), 0 above the diagonal (a select: q.k may be Inf there).
+  template <int W> __device__ __forceinline__ void scale_scores(float (&p)[8][4]) const {
+    float step_lo = row_lo, step_hi = row_hi;
+    #pragma unroll
+    for (int j = 2 * W - 1; j >= 0; --j) {
+      const float f0l = col_f0 * step_lo, f1l = col_f1 * step_lo, f0h = col_f0 * step_hi, f1h = col_f1 * step_hi;
+      p[j][0] *= f0l; p[j][1] *= f1l; p[j][2] *= f0h; p[j][3] *= f1h;
+      step_lo *= g8;
+      step_hi *= g8;
+    }
+    mask_diag(p[2 * W], 0);
+    mask_diag(p[2 * W + 1], 1);
+    #pragma unroll
+    for (int j = 2 * W + 2; j < 8; ++j)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
+  }
+  // Output rows times gamma^(t - r0) * scale.
+  template <int NT> __device__ __forceinline__ void scale_rows(float (&o_acc)[NT][4]) const {
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      o_acc[nt][0] *= row_lo; o_acc[nt][1] *= row_lo;
+      o_acc[nt][2] *= row_hi; o_acc[nt][3] *= row_hi;
+    }
+  }
+  // Tile jd of the diagonal block: gamma^(t-s) * scale for s <= t, a select (not a product) above
+  // it (q.k may be Inf there).
+  __device__ __forceinline__ void mask_diag(float (&x)[4], int jd) const {
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) x[e] = diag[jd][e] >= 0.f ? x[e] * diag[jd][e] : 0.f;
+  }
+};

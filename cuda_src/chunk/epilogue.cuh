@@ -1,0 +1,92 @@
+// chunk/epilogue.cuh -- output fragments: zeroing, NaN marking, stores (plain and bulk).
+#pragma once
+#include "../include/copy.cuh"
+
+// Zero the accumulators of fragments.
+template <int A, int B> __device__ __forceinline__ void rtk_zero(float (&x)[A][B]) {
+  #pragma unroll
+  for (int i = 0; i < A; ++i)
+    #pragma unroll
+    for (int j = 0; j < B; ++j) x[i][j] = 0.f;
+}
+
+// Rare (a chunk's v holds Inf/NaN): set to NaN the outputs of warp rows r0 .. r0+15 that a
+// non-finite v_s reaches (rows t >= s of the same column); bad(s, c) is true (nonzero) where
+// v_s[c] is one.
+template <int NT, class Bad>
+__device__ __forceinline__ void rtk_chunk_mark_nonfinite(float (&o_acc)[NT][4], int r0, int g, int t4, Bad bad) {
+  #pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int t = r0 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
+      bool hit = false;
+      for (int s2 = 0; s2 <= t; ++s2) hit |= bad(s2, c);
+      if (hit) o_acc[nt][e] = __int_as_float(0x7fc00000);
+    }
+}
+
+// Two adjacent outputs as one store (4 bytes for 16-bit types, 8 for fp32).
+template <int DT> __device__ __forceinline__ void rtk_store_pair(typename rtk_io<DT>::T* p, float lo, float hi) {
+  if constexpr (DT == RTK_F32) {
+    float2 pair;
+    pair.x = lo;
+    pair.y = hi;
+    *reinterpret_cast<float2*>(p) = pair;
+  } else {
+    *reinterpret_cast<rtk_u32*>(p) = rtk_pack2<DT>(lo, hi);
+  }
+}
+
+// Store an output warp's rows t = r0 + g (+8) < len of the chunk at token n0 (the scale is already
+// in the row and diagonal factors); paired stores where ovec_full, else column by column.
+template <int DT, int NT>
+__device__ __forceinline__ void rtk_chunk_store_rows(typename rtk_io<DT>::T* ob, const float (&o_acc)[NT][4],
+                                                     int n0, int r0, int g, int t4, int len, rtk_i64 o_sn,
+                                                     int v0, int dv_here, bool ovec_full) {
+  #pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int t = r0 + g + hh * 8;
+    if (t < len) {
+      typename rtk_io<DT>::T* orow = ob + ((rtk_i64)n0 + t) * o_sn + v0 + 2 * t4;
+      if (ovec_full) {  // the usual case: whole tile, aligned pairs
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) rtk_store_pair<DT>(orow + nt * 8, o_acc[nt][2 * hh], o_acc[nt][2 * hh + 1]);
+      } else {
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const int c = nt * 8 + 2 * t4;
+          if (c < dv_here) rtk_io<DT>::store(orow + nt * 8, o_acc[nt][2 * hh]);
+          if (c + 1 < dv_here) rtk_io<DT>::store(orow + nt * 8 + 1, o_acc[nt][2 * hh + 1]);
+        }
+      }
+    }
+  }
+}
+
+// As rtk_chunk_store_rows for whole tiles whose rows start on 16 bytes (sm_90+): the warp puts
+// its 16 rows into buffer `stage` (shared address, rows of OS elements; the warp's own rows, so
+// no barrier beyond the warp) with stmatrix, and lanes 0..15 each send one row with a bulk copy,
+// committed as one group per lane and chunk. Before refilling a buffer, the copies that read it
+// two chunks before must be done (wait_read<1>); the kernel waits for all before it ends.
+template <int DT, int NT, int OS>
+__device__ __forceinline__ void rtk_chunk_send_rows(typename rtk_io<DT>::T* ob, const float (&o_acc)[NT][4],
+                                                    rtk_u32 stage, int n0, int r0, int lane, int len,
+                                                    rtk_i64 o_sn, int v0) {
+  rtk_bulk_wait_read<1>();
+  __syncwarp();
+  const int m = lane >> 3;  // matrix m of each stmatrix: rows 8 (m & 1) .., n-tile 2 np + (m >> 1)
+  const rtk_u32 at = stage + 2 * ((r0 + (m & 1) * 8 + (lane & 7)) * OS + (m >> 1) * 8);
+  #pragma unroll
+  for (int np = 0; np < NT / 2; ++np)
+    rtk_stsm_x4(at + 32 * np, rtk_pack2<DT>(o_acc[2 * np][0], o_acc[2 * np][1]),
+                rtk_pack2<DT>(o_acc[2 * np][2], o_acc[2 * np][3]),
+                rtk_pack2<DT>(o_acc[2 * np + 1][0], o_acc[2 * np + 1][1]),
+                rtk_pack2<DT>(o_acc[2 * np + 1][2], o_acc[2 * np + 1][3]));
+  rtk_fence_proxy_async();  // these writes before the async proxy's reads
+  __syncwarp();
+  const int t = r0 + lane;
+  if (lane < 16 && t < len)
+    rtk_bulk_store(ob + ((rtk_i64)n0 + t) * o_sn + v0, stage + 2 * t * OS, NT * 8 * (int)sizeof(typename rtk_io<DT>::T));
+  rtk_bulk_commit();
+}

@@ -1,0 +1,449 @@
+// chunk/fwd16.cu -- rtk_chunk_fwd: the chunked form for fp16/bf16, fused, on tensor cores
+// (mma.sync m16n8k16; with WG on sm_90a the output warps use wgmma).
+//
+// One CTA of 8 warps per (batch*head, tile of BV value columns) walks the sequence in chunks of
+// C = 64 tokens. With S the KMAX x BV state slice entering a chunk of len <= C tokens (local
+// index t):
+//
+//   o_t = scale * ( gamma^(t+1) q_t S  +  sum_{s<=t} gamma^(t-s) (q_t . k_s) v_s )
+//   S   = gamma^len S + sum_s gamma^(len-1-s) k_s^T v_s
+//
+// The warps specialise. Output warps 0..3 each own 16 rows t of the chunk; state warps 4..7 each
+// own KMAX/4 rows of S, in fp32 registers, and publish a 16-bit copy of S in shared memory as
+// the operand of q_t S. Both groups work on the same chunk at the same time and meet at one
+// barrier per chunk: the q/k/v tiles (cp.async) and the state copy are double-buffered, so the
+// state warps load chunk c + 1 and write the copy of S entering it while the output warps
+// compute chunk c.
+//
+// Only non-negative powers of gamma are formed (no overflow for any gamma in (0, 1], any N).
+// For an output warp whose rows start at r0 the decay is factored as
+//   gamma^(t-s) = gamma^(t-r0) * gamma^(r0-s)         (s < r0: every key left of the warp's rows)
+// and the 16 x 16 diagonal block uses gamma^(t-s) directly, with the causal mask as a select.
+// For fp16 the state copy is scaled by a power of two chosen from max|S| so it cannot overflow.
+//
+// NaN semantics: a dense P V product would multiply the zeros above the diagonal of P with a
+// NaN in a later row of v. So when a chunk's v holds a non-finite value, the operand of P V has
+// it zeroed and the outputs the causal sum reaches (rows t >= s, same column) are set to NaN.
+// The state update uses v as it is, so later chunks see the NaN through S.
+
+#include "../include/copy.cuh"
+#include "../include/mma_sm80.cuh"
+#include "../include/params.cuh"
+#include "../include/state_frag.cuh"
+#include "../include/wgmma_sm90.cuh"
+#include "cta.cuh"
+#include "decay.cuh"
+#include "epilogue.cuh"
+#include "loader.cuh"
+#include "modes.cuh"
+
+// wgmma descriptors of MN-major operands (v and the state copy, [k][n] with n contiguous): the
+// leading byte offset is the step between 64-column regions, the stride byte offset the step
+// between 8-row groups (checked on an H200; the swapped reading faults).
+#define RTK_MN_LBO(region) (region)
+#define RTK_MN_SBO(region) 1024
+
+// Shared-memory layout. SW = false: rows padded by 16 bytes (conflict-free ldmatrix). SW = true
+// (the wgmma kernel): 128-byte-swizzled regions of 64 columns (rtk_swz_off), 1024-byte aligned,
+// the layout wgmma descriptors read. The *_off functions give the element offset of 16-byte
+// piece p of row r; KS and VS are the element step from one row to the next in the same piece.
+template <int KMAX, int BV, bool SW>
+struct rtk_chunk_smem {
+  static constexpr int C = 64;
+  static constexpr int KS = SW ? 64 : KMAX + 8;
+  static constexpr int VS = SW ? 64 : BV + 8;
+  static constexpr int Q = 0, K = Q + C * (SW ? KMAX : KS), V = K + C * (SW ? KMAX : KS);
+  static constexpr int STAGE = V + C * (SW ? BV : VS);
+  // two 16-bit copies of the state, KMAX x BV each: the state entering chunk c in copy c % 2;
+  // KMAX 256 keeps one (its tiles fill the 163 KB of an A100), written after an extra barrier
+  static constexpr int S = 2 * STAGE, SCOPY = KMAX * (SW ? BV : VS), NCOPY = KMAX == 256 ? 1 : 2;
+  // SW only: two buffers of the chunk's 64 output rows on their way to global memory (rows of
+  // BV + 8 elements: conflict-free stmatrix, 16-byte aligned rows for the bulk copies)
+  static constexpr int OS = BV + 8, O = S + NCOPY * SCOPY;
+  static constexpr int ELEMS = O + (SW ? 2 * C * OS : 0);
+  static constexpr int ALIGN = SW ? 1024 : 0;            // slack for aligning the base
+  static constexpr int BYTES = ELEMS * 2 + 32 + ALIGN;  // + fp16 scaling: max|S| of the 4 state warps, 2 slots
+  static __device__ __forceinline__ int qk_off(int r, int p) { return SW ? rtk_swz_off(C, r, p) : r * KS + p * 8; }
+  static __device__ __forceinline__ int v_off(int r, int p) { return SW ? rtk_swz_off(C, r, p) : r * VS + p * 8; }
+  static __device__ __forceinline__ int s_off(int r, int p) { return SW ? rtk_swz_off(KMAX, r, p) : r * VS + p * 8; }
+};
+
+
+// MINB: CTAs per SM the register budget is sized for (2: 128 registers a thread, for grids of
+// more than one wave; 1: no spills, for grids that give each SM at most one CTA anyway).
+// WG (sm_90a only, KMAX <= 128, BV a multiple of 64): the output warps form one warpgroup that
+// computes the chunk with wgmma (q k^T and q S from shared memory, P v with P from registers);
+// otherwise each output warp uses mma.sync on its 16 rows.
+template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG>
+__global__ void __launch_bounds__(256, MINB)
+rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
+  RTK_FWD_SIZES;
+  const bool states_only = mode == RTK_MODE_STATES;
+  typedef rtk_chunk_smem<KMAX, BV, WG> L;
+  // A second CTA barrier per chunk, before the state warps write the next state copy: with one
+  // copy (KMAX 256), and for fp16, whose copy is scaled by the 4 state warps' common maximum
+  // (a barrier of the state warps alone would do, but compute-sanitizer's racecheck reported
+  // hazards on the copy with it in the mma.sync kernel).
+  constexpr bool SERIAL = L::NCOPY == 1 || DT == RTK_F16;
+  constexpr int C = L::C, KS = L::KS, VS = L::VS;
+  constexpr int NT = BV / 8;          // n-tiles of the value columns
+  constexpr int MT = KMAX / 64;       // m-tiles of state rows per state warp
+  constexpr rtk_u32 EXP = rtk_expmask<DT>::v;
+  static_assert(BV % 16 == 0 && KMAX % 64 == 0, "bad tile");
+  static_assert(!WG || (KMAX <= 128 && BV % 64 == 0), "bad wgmma tile");
+
+  extern __shared__ __align__(16) unsigned char smem_base[];
+  constexpr rtk_u32 AL = L::ALIGN > 0 ? L::ALIGN : 1;
+  unsigned char* smem_raw = smem_base + ((AL - (rtk_smem_addr(smem_base) & (AL - 1))) & (AL - 1));
+  rtk_u16* sm = reinterpret_cast<rtk_u16*>(smem_raw);
+  // fp16 only: each state warp publishes max|S| of its rows (or -1 when not finite) for the copy of
+  // S entering chunk c in slot c % 2; the state warps read the 4 values after a barrier of their
+  // own, the output warps after the CTA barrier ending the period before chunk c, and both derive
+  // the same power of two 2^e, max|S| * 2^e <= 2^14.
+  float* s_red = reinterpret_cast<float*>(smem_raw + L::ELEMS * 2);
+  auto copy_exponent = [&](int slot) -> int {
+    float m = 0.f;
+    bool fin = true;
+    for (int i = 0; i < 4; ++i) {
+      const float x = s_red[slot * 4 + i];
+      fin = fin && x >= 0.f;
+      m = fmaxf(m, x);
+    }
+    return (fin && m > 0.f) ? min(60, max(-60, 14 - (int)ceilf(log2f(m)))) : 0;
+  };
+
+  RTK_CHUNK_CTA(rtk_u16, 4);  // k-steps of 16 columns
+
+  typedef rtk_chunk_loader<rtk_u16, KMAX, BV> LD;
+  const LD ld(tid - 128, Dk, dv_here, qb, kb, vb, q_sn, k_sn, v_sn);
+  constexpr int VROWS = LD::VROWS;
+  const int st = ld.st, vcol = ld.vcol, vrow = ld.vrow;
+  auto load_chunk = [&](int chunk, int stage) {
+    rtk_u16* sQ = sm + stage * L::STAGE + L::Q;
+    rtk_u16* sK = sm + stage * L::STAGE + L::K;
+    rtk_u16* sV = sm + stage * L::STAGE + L::V;
+    const int n0 = chunk * C;
+    if (VEC) {
+      ld.template copy<C, KS, VS>(rtk_smem_addr(sQ + L::qk_off(ld.qrow, ld.qcol >> 3)),
+                                  rtk_smem_addr(sK + L::qk_off(ld.qrow, ld.qcol >> 3)),
+                                  rtk_smem_addr(sV + L::v_off(vrow, vcol >> 3)), n0, NS, !states_only);
+    } else {
+      for (int e = st; e < C * KMAX; e += 128) {
+        const int r = e / KMAX, col = e - r * KMAX;
+        const rtk_i64 n = (rtk_i64)n0 + r;
+        const bool ok = n < NS && col < Dk;
+        const int at = L::qk_off(r, col >> 3) + (col & 7);
+        if (!states_only) sQ[at] = ok ? qb[n * q_sn + col] : (rtk_u16)0;
+        sK[at] = ok ? kb[n * k_sn + col] : (rtk_u16)0;
+      }
+      for (int e = st; e < C * BV; e += 128) {
+        const int r = e / BV, col = e - r * BV;
+        const rtk_i64 n = (rtk_i64)n0 + r;
+        sV[L::v_off(r, col >> 3) + (col & 7)] = (n < NS && col < dv_here) ? vb[n * v_sn + col] : (rtk_u16)0;
+      }
+    }
+  };
+
+  const int nchunks = (NS + C - 1) / C;
+
+  // The state warps' end of a chunk period: wait for their copies of chunk `next` (issued at the
+  // start of the period), look for non-finite v in it, then the CTA barrier, which ORs the answers.
+  // Returns whether chunk `next`'s v holds Inf/NaN.
+  auto end_period = [&](int next) -> bool {
+    bool my_bad = false;
+    if (!out_warp) {
+      rtk_cp_async_wait<0>();
+      if (!VEC) rtk_named_sync(1, 128);  // the chunk was stored by other state warps
+      if (next < nchunks) {
+        // the v pieces of this thread's loader set: any Inf/NaN?
+        const rtk_u16* sV = sm + (next & 1) * L::STAGE + L::V;
+        #pragma unroll
+        for (int u = 0; u < C / VROWS; ++u) {
+          const uint4 x = *reinterpret_cast<const uint4*>(sV + L::v_off(vrow + u * VROWS, vcol >> 3));
+          my_bad |= rtk_nonfinite2<DT>(x.x) | rtk_nonfinite2<DT>(x.y) | rtk_nonfinite2<DT>(x.z) |
+                    rtk_nonfinite2<DT>(x.w);
+        }
+      }
+      // the tiles (cp.async) and the state copy (st.shared) are read by wgmma next: async proxy
+      if (WG) rtk_fence_proxy_async();
+    }
+    return __syncthreads_or(my_bad) != 0;
+  };
+
+  // The two groups run separate loops (so neither holds the other's registers) and meet at one
+  // barrier per chunk (end_period). In the period of chunk c the output warps compute its outputs
+  // from stage c % 2 and state copy c % 2, while the state warps load chunk c + 1 into the other
+  // stage, update S with chunk c and write the copy of S entering chunk c + 1 into the other copy.
+  if (out_warp) {
+    // ---- output warps: per-thread decay factors, fixed for the whole sequence -----------------
+    const int w = warp, r0 = 16 * warp;  // this warp's rows r0 .. r0+15 of each chunk
+    const rtk_chunk_decay dec(lg2, scale, g, t4, r0);
+    // the wgmma kernel sends whole, 16-byte aligned output rows with bulk copies
+    const bool osend = WG && ovec_full && o_sn % 8 == 0 && (reinterpret_cast<size_t>(ob + v0) & 15) == 0;
+    float s_inv = 1.f;  // the state copy holds S * 2^e (fp16); s_inv = 2^-e
+    if (SERIAL) __syncthreads();  // (the state warps' next_copy)
+    bool v_bad = end_period(0);   // chunk 0 and the first state copy are in place
+    auto out_end = [&](int chunk) -> bool {
+      if (SERIAL) __syncthreads();  // done with the state copy (the state warps' next_copy)
+      return end_period(chunk + 1);
+    };
+
+    for (int chunk = 0; chunk < nchunks; ++chunk) {
+      const int stage = chunk & 1;
+      if (DT == RTK_F16) s_inv = exp2f((float)-copy_exponent(stage));
+      const rtk_u32 sS_addr = rtk_smem_addr(sm + L::S + (L::NCOPY == 2 ? stage : 0) * L::SCOPY);
+      const int n0 = chunk * C;
+      const int len = min(C, NS - n0);
+      const rtk_u32 sQ_addr = rtk_smem_addr(sm + stage * L::STAGE + L::Q);
+      const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
+      const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
+      if (states_only) {  // first pass of the split-sequence strategy: no outputs
+        v_bad = out_end(chunk);
+        continue;
+      }
+      float o_acc[NT][4];
+      float p[8][4];  // scores of the 16 rows against key tiles 0 .. 2w+1
+      bool saw_bad = false;
+      auto pv = [&](int kk) {  // o_acc += P[:, 16 kk ..] V[16 kk .., :]  (kk a compile-time value)
+        rtk_u32 a[4];
+        a[0] = rtk_pack2<DT>(p[2 * kk][0], p[2 * kk][1]);
+        a[1] = rtk_pack2<DT>(p[2 * kk][2], p[2 * kk][3]);
+        a[2] = rtk_pack2<DT>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+        a[3] = rtk_pack2<DT>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+        #pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          rtk_u32 bb[4];
+          rtk_ldsm_x4_trans(bb, sV_addr + 2 * L::v_off(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, np * 2 + (lane >> 4)));
+          if (v_bad) {  // rare: zero Inf/NaN in the operand, remember that this warp saw one
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const rtk_u32 lo_bad = ((bb[i] & EXP) == EXP) ? 0x0000FFFFu : 0u;
+              const rtk_u32 hi_bad = (((bb[i] >> 16) & EXP) == EXP) ? 0xFFFF0000u : 0u;
+              saw_bad |= (lo_bad | hi_bad) != 0u;
+              bb[i] &= ~(lo_bad | hi_bad);
+            }
+          }
+          rtk_mma16816<DT>(o_acc[2 * np], a, bb[0], bb[1]);
+          rtk_mma16816<DT>(o_acc[2 * np + 1], a, bb[2], bb[3]);
+        }
+      };
+      if constexpr (WG) {
+        // q k^T for all 64 x 64 pairs and q S, both from shared memory, as two wgmma groups
+        // descriptors: a base per operand, plus the byte offset of each 16-wide k step / 16-row
+        // group (>> 4: the start-address field counts 16-byte units, and never overflows here)
+        float (&pa)[32] = reinterpret_cast<float (&)[32]>(p);
+        const unsigned long long dq = rtk_wg_desc(sQ_addr, 16, 1024), dk = rtk_wg_desc(sK_addr, 16, 1024);
+        const unsigned long long ds = rtk_wg_desc(sS_addr, RTK_MN_LBO(KMAX * 128), RTK_MN_SBO(KMAX * 128));
+        auto kmaj = [](int ks) { return (rtk_u32)(((ks >> 2) * (C * 128) + (ks & 3) * 32) >> 4); };
+        rtk_wg_fence();
+        #pragma unroll
+        for (int ks = 0; ks < KMAX / 16; ++ks) rtk_wgmma_ss<DT, 0>(pa, rtk_desc_at(dq, kmaj(ks)), rtk_desc_at(dk, kmaj(ks)), ks);
+        rtk_wg_commit();
+        #pragma unroll
+        for (int nb = 0; nb < BV / 64; ++nb) {
+          float (&oa)[32] = reinterpret_cast<float (&)[32]>(o_acc[8 * nb]);
+          #pragma unroll
+          for (int ks = 0; ks < KMAX / 16; ++ks)
+            rtk_wgmma_ss<DT, 1>(oa, rtk_desc_at(dq, kmaj(ks)), rtk_desc_at(ds, (nb * (KMAX * 128) + ks * 2048) >> 4), ks);
+        }
+        rtk_wg_commit();
+        rtk_wg_wait<1>();
+        rtk_wg_pin(pa);
+        // P: gamma^(t-s) * scale for s <= t, 0 above the diagonal (code per warp: no branches)
+        switch (w) {
+          case 0: dec.scale_scores<0>(p); break;
+          case 1: dec.scale_scores<1>(p); break;
+          case 2: dec.scale_scores<2>(p); break;
+          default: dec.scale_scores<3>(p); break;
+        }
+        rtk_wg_wait<0>();
+        #pragma unroll
+        for (int nb = 0; nb < BV / 64; ++nb) rtk_wg_pin(reinterpret_cast<float (&)[32]>(o_acc[8 * nb]));
+        // q S rows: gamma^(t+1) * scale (and the fp16 copy's 2^-e)
+        const float f_lo = dec.inter0 * s_inv * dec.row_lo, f_hi = dec.inter0 * s_inv * dec.row_hi;
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          o_acc[nt][0] *= f_lo; o_acc[nt][1] *= f_lo;
+          o_acc[nt][2] *= f_hi; o_acc[nt][3] *= f_hi;
+        }
+        if (!v_bad) {  // P v: P from registers, v from shared memory
+          rtk_u32 a[4][4];
+          #pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+            a[kk][0] = rtk_pack2<DT>(p[2 * kk][0], p[2 * kk][1]);
+            a[kk][1] = rtk_pack2<DT>(p[2 * kk][2], p[2 * kk][3]);
+            a[kk][2] = rtk_pack2<DT>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+            a[kk][3] = rtk_pack2<DT>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+          }
+          const unsigned long long dv = rtk_wg_desc(sV_addr, RTK_MN_LBO(C * 128), RTK_MN_SBO(C * 128));
+          rtk_wg_fence();
+          #pragma unroll
+          for (int nb = 0; nb < BV / 64; ++nb) {
+            float (&oa)[32] = reinterpret_cast<float (&)[32]>(o_acc[8 * nb]);
+            #pragma unroll
+            for (int kk = 0; kk < 4; ++kk)
+              rtk_wgmma_rs<DT, 1>(oa, a[kk], rtk_desc_at(dv, (nb * (C * 128) + kk * 2048) >> 4), 1);
+          }
+          rtk_wg_commit();
+          rtk_wg_wait<0>();
+          #pragma unroll
+          for (int nb = 0; nb < BV / 64; ++nb) rtk_wg_pin(reinterpret_cast<float (&)[32]>(o_acc[8 * nb]));
+        } else {  // rare: a non-finite v in this chunk; mma.sync with the operand cleaned
+          #pragma unroll
+          for (int kk = 0; kk < 4; ++kk) pv(kk);
+        }
+      } else {
+        rtk_zero(o_acc);
+        rtk_zero(p);
+
+        // q_t S and q_t . k_s, sharing the q fragments
+        #pragma unroll 1  // unrolling measured no faster and costs registers
+        for (int kstep = 0; kstep < KMAX / 16; ++kstep) {
+          if (kstep >= kt_used) break;
+          rtk_u32 a[4];
+          rtk_ldsm_x4(a, sQ_addr + 2 * ((r0 + (lane & 7) + ((lane >> 3) & 1) * 8) * KS + kstep * 16 + (lane >> 4) * 8));
+          #pragma unroll
+          for (int np = 0; np < NT / 2; ++np) {
+            rtk_u32 bb[4];
+            rtk_ldsm_x4_trans(bb, sS_addr + 2 * ((kstep * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + np * 16 + (lane >> 4) * 8));
+            rtk_mma16816<DT>(o_acc[2 * np], a, bb[0], bb[1]);
+            rtk_mma16816<DT>(o_acc[2 * np + 1], a, bb[2], bb[3]);
+          }
+          #pragma unroll
+          for (int jp = 0; jp < 4; ++jp) {
+            if (jp <= w) {
+              rtk_u32 bb[4];
+              rtk_ldsm_x4(bb, sK_addr + 2 * ((jp * 16 + (lane & 7) + (lane >> 4) * 8) * KS + kstep * 16 + ((lane >> 3) & 1) * 8));
+              rtk_mma16816<DT>(p[2 * jp], a, bb[0], bb[1]);
+              rtk_mma16816<DT>(p[2 * jp + 1], a, bb[2], bb[3]);
+            }
+          }
+        }
+
+        // gamma^(r0+1) q_t S (undoing the copy's 2^e); the keys left of the diagonal block get
+        // gamma^(r0-s): tile j lies 8(2w-1-j) + (8 - 2 t4 - e) to the left of r0
+        const float fi = dec.inter0 * s_inv;
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) o_acc[nt][e] *= fi;
+        dec.scale_left(p, w);
+        #pragma unroll
+        for (int kk = 0; kk < 3; ++kk)
+          if (kk < w) pv(kk);
+        dec.scale_rows(o_acc);
+        // the diagonal block; tiles are picked with compile-time indices so p stays in registers
+        #pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          if (kk == w) {
+            #pragma unroll
+            for (int jd = 0; jd < 2; ++jd) dec.mask_diag(p[2 * kk + jd], jd);
+            pv(kk);
+          }
+        }
+
+      }
+      if (v_bad && __any_sync(0xffffffffu, saw_bad)) {
+        const rtk_u16* sV = sm + stage * L::STAGE + L::V;
+        rtk_chunk_mark_nonfinite(o_acc, r0, g, t4,
+                                 [&](int s2, int c) -> int { return (sV[L::v_off(s2, c >> 3) + (c & 7)] & EXP) == EXP; });
+      }
+      if (WG && osend)
+        rtk_chunk_send_rows<DT, NT, L::OS>(ob, o_acc, rtk_smem_addr(sm + L::O + stage * C * L::OS), n0, r0, lane,
+                                           len, o_sn, v0);
+      else
+        rtk_chunk_store_rows<DT>(ob, o_acc, n0, r0, g, t4, len, o_sn, v0, dv_here, ovec_full);
+      v_bad = out_end(chunk);  // done with this stage and this state copy
+    }
+    if (WG && osend) rtk_bulk_wait_all<0>();
+  } else {
+    // ---- state warps: fp32 state in registers, 16-bit copy in shared memory --------------------
+    const int sr0 = (warp - 4) * MT * 16;  // first state row of a state warp
+    float s_acc[MT][NT][4];
+    const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, mode == RTK_MODE_FOLD ? 0 : state_slot};
+    if (mode == RTK_MODE_FOLD) sf.fold(s_acc, init_state, log_decay[h], seg_len, gridDim.x);
+    else sf.load(s_acc, init_state);
+    auto publish_max = [&](int slot) {  // fp16
+      if (DT != RTK_F16) return;
+      float m = 0.f;
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(s_acc[mt][nt][e]));
+      const bool fin = __all_sync(0xffffffffu, m < 3.0e38f);  // false for Inf and NaN anywhere
+      #pragma unroll
+      for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+      if (lane == 0) s_red[slot * 4 + warp - 4] = fin ? m : -1.f;
+    };
+    // the copy of S entering chunk c: copy c % 2, with fp16 scaling slot c % 2 (after publish_max
+    // and a CTA barrier)
+    auto store_state_copy = [&](int slot) {
+      const float mul = DT == RTK_F16 ? exp2f((float)copy_exponent(slot)) : 1.f;
+      rtk_u16* sS = sm + L::S + (L::NCOPY == 2 ? slot : 0) * L::SCOPY;
+      sf.pairs(s_acc, [&](int r, int c, float lo, float hi) {
+        rtk_store_pair<DT>(sS + L::s_off(r, c >> 3) + (c & 7), lo * mul, hi * mul);
+      });
+    };
+    // once per period (and before the first): with SERIAL a CTA barrier between publishing the
+    // fp16 maximum and writing the copy (and, with one copy, after the output warps' reads of it)
+    auto next_copy = [&](int slot, bool store) {
+      publish_max(slot);
+      if (SERIAL) __syncthreads();
+      if (store) store_state_copy(slot);
+    };
+    load_chunk(0, 0);
+    rtk_cp_async_commit();
+    next_copy(0, true);
+    end_period(0);
+    for (int chunk = 0; chunk < nchunks; ++chunk) {
+      const int stage = chunk & 1;
+      if (chunk + 1 < nchunks) load_chunk(chunk + 1, stage ^ 1);  // its stage was read in period c - 1
+      rtk_cp_async_commit();
+      const int n0 = chunk * C;
+      const int len = min(C, NS - n0);
+      const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
+      const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
+      // ---- state warps: S = gamma^len S + (K * w)^T V, w_s = gamma^(len-1-s) ----------------
+      const float carry = rtk_exp2(lg2 * (float)len);
+      rtk_frag_scale(s_acc, carry);
+      #pragma unroll 1
+      for (int kk = 0; kk * 16 < len; ++kk) {
+        {
+          const int s_a = kk * 16 + 2 * t4, s_b = s_a + 8;
+          const rtk_u32 wa = rtk_pack2<DT>(s_a < len ? rtk_exp2(lg2 * (float)(len - 1 - s_a)) : 0.f,
+                                           s_a + 1 < len ? rtk_exp2(lg2 * (float)(len - 2 - s_a)) : 0.f);
+          const rtk_u32 wb = rtk_pack2<DT>(s_b < len ? rtk_exp2(lg2 * (float)(len - 1 - s_b)) : 0.f,
+                                           s_b + 1 < len ? rtk_exp2(lg2 * (float)(len - 2 - s_b)) : 0.f);
+          rtk_u32 a[MT][4];
+          #pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * L::qk_off(kk * 16 + (lane & 7) + (lane >> 4) * 8, (sr0 + mt * 16) / 8 + ((lane >> 3) & 1)));
+            a[mt][0] = rtk_mul2<DT>(a[mt][0], wa);  // k_s * gamma^(len-1-s), s = kk*16 + 2*t4 + {0, 1}
+            a[mt][1] = rtk_mul2<DT>(a[mt][1], wa);
+            a[mt][2] = rtk_mul2<DT>(a[mt][2], wb);  // s + 8
+            a[mt][3] = rtk_mul2<DT>(a[mt][3], wb);
+          }
+          #pragma unroll
+          for (int np = 0; np < NT / 2; ++np) {
+            rtk_u32 bb[4];
+            rtk_ldsm_x4_trans(bb, sV_addr + 2 * L::v_off(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, np * 2 + (lane >> 4)));
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              rtk_mma16816<DT>(s_acc[mt][2 * np], a[mt], bb[0], bb[1]);
+              rtk_mma16816<DT>(s_acc[mt][2 * np + 1], a[mt], bb[2], bb[3]);
+            }
+          }
+        }
+      }
+      // the copy of S entering chunk c + 1 (its buffer was read in period c - 1; with one copy,
+      // after the output warps are done with it)
+      next_copy(stage ^ 1, chunk + 1 < nchunks);
+      end_period(chunk + 1);
+    }
+    if (mode != RTK_MODE_FOLD || blockIdx.z + 1 == gridDim.z) sf.store(s_acc, final_state);
+  }
+
+}
+

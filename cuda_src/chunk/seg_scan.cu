@@ -1,0 +1,28 @@
+// chunk/seg_scan.cu -- rtk_chunk_seg_scan.
+//
+// The middle pass of the split-sequence strategy. local[z] holds segment z's own final state (its
+// pass over the segment started from zero); this turns them into the state entering each
+// segment, s_in[z] = gamma^seg_len s_in[z-1] + local[z-1] with s_in[0] the initial state (or 0),
+// and the final state gamma^last_len s_in[last] + local[last]. One thread per state element,
+// segments in order: deterministic.
+#include "../include/types.cuh"
+
+__global__ void rtk_chunk_seg_scan(const float* __restrict__ local, float* __restrict__ s_in,
+                                   const float* __restrict__ init_state, float* __restrict__ final_state,
+                                   const float* __restrict__ log_decay, rtk_i64 nseg, rtk_i64 BH,
+                                   rtk_i64 H, rtk_i64 DkDv, rtk_i64 seg_len, rtk_i64 last_len) {
+  const rtk_i64 total = BH * DkDv;
+  for (rtk_i64 e = (rtk_i64)blockIdx.x * blockDim.x + threadIdx.x; e < total;
+       e += (rtk_i64)gridDim.x * blockDim.x) {
+    const int h = (int)((e / DkDv) % H);
+    const float lg = log_decay[h];
+    const float carry = expf(lg * (float)seg_len);
+    float st = init_state != nullptr ? init_state[e] : 0.f;
+    for (rtk_i64 z = 0; z < nseg; ++z) {
+      s_in[z * total + e] = st;
+      if (z + 1 < nseg) st = fmaf(carry, st, local[z * total + e]);
+    }
+    if (final_state != nullptr) final_state[e] = fmaf(expf(lg * (float)last_len), st, local[(nseg - 1) * total + e]);
+  }
+}
+

@@ -1,0 +1,142 @@
+// chunk/states.cu -- rtk_chunk_states.
+//
+// The first pass of the split-sequence strategy for 16-bit inputs, as a kernel of its own: the
+// state each segment but the last ends with, local[z] = sum_s gamma^(NS-1-s) k_s^T v_s over the
+// segment's NS tokens (segment 0 from the initial state, the others from zero), formed chunk by
+// chunk as S = gamma^len S + sum_s gamma^(len-1-s) k_s^T v_s exactly as the state warps of
+// rtk_chunk_fwd do (the same operands, weights and mma), into slot z + 1 of final_state; segment
+// 0's CTAs also copy the initial state (zeros without one) to slot 0. The fused pass then starts
+// each segment from these slots (RTK_MODE_FOLD): no scan kernel, and the last segment, whose
+// state nobody needs before the fused pass, is not read twice. Same parameters as rtk_chunk_fwd
+// (q and o are not read).
+//
+// Why not rtk_chunk_fwd with states_only: there half the warps idle, the registers and shared
+// memory are sized for the fused pass, and a value tile narrower than Dv reads k once per tile.
+// Here every warp computes and all threads load, the tile is as wide as the registers allow (BV
+// 128 for KMAX <= 128), and the eight warps tile the KMAX x BV state 4 x 2: warp w owns the 16 MT
+// rows (w % 4) * 16 MT .. and the BV / 2 columns (w / 4) * BV / 2 .., for every key of each chunk
+// (large warp tiles: fewer shared-memory fragment loads per mma). STAGES chunks of k and v in
+// flight (cp.async), one barrier per chunk.
+#include "../include/copy.cuh"
+#include "../include/mma_sm80.cuh"
+#include "../include/params.cuh"
+#include "../include/state_frag.cuh"
+#include "cta.cuh"
+#include "epilogue.cuh"
+#include "loader.cuh"
+#include "modes.cuh"
+
+template <int KMAX, int BV, int STAGES>
+struct rtk_chunk_states_smem {
+  static constexpr int C = 64, KS = KMAX + 8, VS = BV + 8;  // rows padded by 16 bytes
+  static constexpr int K = 0, V = C * KS, STAGE = V + C * VS;
+  static constexpr int BYTES = STAGES * STAGE * 2;
+};
+
+template <int DT, int KMAX, int BV, bool VEC, int STAGES>
+__global__ void __launch_bounds__(256, 2)
+rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // grid.z: segments - 1
+  RTK_FWD_SIZES;
+  typedef rtk_chunk_states_smem<KMAX, BV, STAGES> L;
+  constexpr int C = L::C, KS = L::KS, VS = L::VS;
+  constexpr int NT = BV / 16, MT = KMAX / 64;  // a warp's n-tiles (8 columns) and m-tiles (16 rows)
+  static_assert(BV % 32 == 0 && KMAX % 64 == 0 && STAGES >= 2, "bad tile");
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  rtk_u16* sm = reinterpret_cast<rtk_u16*>(smem_raw);
+
+  RTK_CHUNK_CTA(rtk_u16, 4);
+  (void)out_warp; (void)kt_used; (void)ovec_full;
+  const int sr0 = (warp & 3) * MT * 16, c0 = (warp >> 2) * (BV / 2);  // the warp's rows and columns
+
+  typedef rtk_chunk_loader<rtk_u16, KMAX, BV, 256> LD;
+  const LD ld(tid, Dk, dv_here, kb, kb, vb, k_sn, k_sn, v_sn);
+  auto load_chunk = [&](int chunk, int stage) {
+    rtk_u16* sK = sm + stage * L::STAGE + L::K;
+    rtk_u16* sV = sm + stage * L::STAGE + L::V;
+    const int n0 = chunk * C;
+    if (VEC) {
+      ld.template copy<C, KS, VS>(0u, rtk_smem_addr(sK + ld.qrow * KS + ld.qcol),
+                                  rtk_smem_addr(sV + ld.vrow * VS + ld.vcol), n0, NS, false);
+    } else {
+      for (int e = tid; e < C * KMAX; e += 256) {
+        const int r = e / KMAX, col = e - r * KMAX;
+        const rtk_i64 n = (rtk_i64)n0 + r;
+        sK[r * KS + col] = (n < NS && col < Dk) ? kb[n * k_sn + col] : (rtk_u16)0;
+      }
+      for (int e = tid; e < C * BV; e += 256) {
+        const int r = e / BV, col = e - r * BV;
+        const rtk_i64 n = (rtk_i64)n0 + r;
+        sV[r * VS + col] = (n < NS && col < dv_here) ? vb[n * v_sn + col] : (rtk_u16)0;
+      }
+    }
+  };
+
+  // slots of final_state (each [B*H, Dk, Dv]): 0 the initial state (or zeros), 1 + z the state
+  // segment z ends with: for z = 0 from the initial state (the state entering segment 1), else
+  // from zero; rtk_chunk_fwd in RTK_MODE_FOLD combines them (rtk_chunk_state::fold)
+  const rtk_i64 slot = (rtk_i64)gridDim.x * Dk * Dv;
+  const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, state_slot + slot};
+  float s_acc[MT][NT][4];
+  rtk_zero(reinterpret_cast<float (&)[MT * NT][4]>(s_acc));
+  if (blockIdx.z == 0) {
+    const rtk_chunk_state<MT, NT> s0 = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, 0};
+    s0.load(s_acc, init_state);
+    s0.store(s_acc, final_state);
+  }
+  const int nchunks = (NS + C - 1) / C;
+  #pragma unroll
+  for (int c = 0; c < STAGES - 1; ++c) {
+    if (c < nchunks) load_chunk(c, c);
+    rtk_cp_async_commit();
+  }
+  #pragma unroll 1
+  for (int chunk = 0; chunk < nchunks; ++chunk) {
+    rtk_cp_async_wait<STAGES - 2>();
+    __syncthreads();  // chunk visible to all; everyone is done with the stage loaded next
+    if (chunk + STAGES - 1 < nchunks) load_chunk(chunk + STAGES - 1, (chunk + STAGES - 1) % STAGES);
+    rtk_cp_async_commit();
+    const int stage = chunk % STAGES;
+    const int len = min(C, NS - chunk * C);
+    const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
+    const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
+    const float carry = rtk_exp2(lg2 * (float)len);
+    rtk_frag_scale(s_acc, carry);
+    #pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      if (kk * 16 < len) {
+        const int s_a = kk * 16 + 2 * t4, s_b = s_a + 8;
+        const rtk_u32 wa = rtk_pack2<DT>(s_a < len ? rtk_exp2(lg2 * (float)(len - 1 - s_a)) : 0.f,
+                                         s_a + 1 < len ? rtk_exp2(lg2 * (float)(len - 2 - s_a)) : 0.f);
+        const rtk_u32 wb = rtk_pack2<DT>(s_b < len ? rtk_exp2(lg2 * (float)(len - 1 - s_b)) : 0.f,
+                                         s_b + 1 < len ? rtk_exp2(lg2 * (float)(len - 2 - s_b)) : 0.f);
+        // every fragment of the k-step first, then the mma: the ldmatrix and mma asm statements
+        // are volatile (kept in order), so interleaving them would expose each load's latency
+        rtk_u32 a[MT][4], bb[NT / 2][4];
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * KS +
+                                                  sr0 + mt * 16 + ((lane >> 3) & 1) * 8));
+        #pragma unroll
+        for (int np = 0; np < NT / 2; ++np)
+          rtk_ldsm_x4_trans(bb[np], sV_addr + 2 * ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + c0 +
+                                                   np * 16 + (lane >> 4) * 8));
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          a[mt][0] = rtk_mul2<DT>(a[mt][0], wa);  // k_s * gamma^(len-1-s), s = kk*16 + 2*t4 + {0, 1}
+          a[mt][1] = rtk_mul2<DT>(a[mt][1], wa);
+          a[mt][2] = rtk_mul2<DT>(a[mt][2], wb);  // s + 8
+          a[mt][3] = rtk_mul2<DT>(a[mt][3], wb);
+        }
+        #pragma unroll
+        for (int np = 0; np < NT / 2; ++np)
+          #pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            rtk_mma16816<DT>(s_acc[mt][2 * np], a[mt], bb[np][0], bb[np][1]);
+            rtk_mma16816<DT>(s_acc[mt][2 * np + 1], a[mt], bb[np][2], bb[np][3]);
+          }
+      }
+    }
+  }
+  sf.store(s_acc, final_state);
+}
+

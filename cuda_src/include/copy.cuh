@@ -1,0 +1,61 @@
+// copy.cuh -- shared-memory addresses, cp.async and bulk copies, ldmatrix/stmatrix, named barriers
+// (inline PTX, sm_80+; the bulk copies and stmatrix sm_90+).
+#pragma once
+#include "types.cuh"
+
+__device__ __forceinline__ rtk_u32 rtk_smem_addr(const void* p) {
+  rtk_u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+// 16-byte global -> shared copy; bytes beyond src_bytes (0..16) are filled with zeros.
+__device__ __forceinline__ void rtk_cp_async16(rtk_u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void rtk_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void rtk_cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+
+// Bulk shared -> global copies (sm_90+; elsewhere they trap, and no caller reaches them): `bytes` (a
+// multiple of 16) from a 16-byte aligned shared address to a 16-byte aligned global one, through
+// the async proxy. The issuing thread commits its copies as a group and waits on its own groups:
+// wait_read<N> until the shared source of all but the N newest groups was read, wait_all<N> until
+// they were written.
+#if __CUDA_ARCH__ >= 900
+#define RTK_SM90_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define RTK_SM90_ASM(...) __trap()
+#endif
+__device__ __forceinline__ void rtk_bulk_store(void* gdst, rtk_u32 ssrc, rtk_u32 bytes) {
+  RTK_SM90_ASM("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" :: "l"(gdst), "r"(ssrc), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void rtk_bulk_commit() { RTK_SM90_ASM("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void rtk_bulk_wait_read() {
+  RTK_SM90_ASM("cp.async.bulk.wait_group.read %0;" :: "n"(N) : "memory");
+}
+template <int N> __device__ __forceinline__ void rtk_bulk_wait_all() {
+  RTK_SM90_ASM("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
+}
+// Four 8x8 b16 matrices to shared memory (sm_90+); lane i gives the address of row (i % 8) of
+// matrix (i / 8), register j holds matrix j as an mma.sync accumulator pair (row lane / 4).
+__device__ __forceinline__ void rtk_stsm_x4(rtk_u32 addr, rtk_u32 r0, rtk_u32 r1, rtk_u32 r2, rtk_u32 r3) {
+  RTK_SM90_ASM("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" :: "r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3) : "memory");
+}
+
+// Barrier `id` (1..15) of `count` threads (a multiple of 32): a subset of the CTA's warps.
+__device__ __forceinline__ void rtk_named_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+
+// Four 8x8 b16 matrices; lane i gives the address of row (i % 8) of matrix (i / 8).
+__device__ __forceinline__ void rtk_ldsm_x4(rtk_u32 (&r)[4], rtk_u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void rtk_ldsm_x4_trans(rtk_u32 (&r)[4], rtk_u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}

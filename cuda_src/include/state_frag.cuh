@@ -1,0 +1,81 @@
+// state_frag.cuh -- a warp's fp32 fragment of a Dk x Dv state: scaling, loading, folding, storing.
+#pragma once
+#include "types.cuh"
+
+// Every element of MT x NT accumulator fragments times f.
+template <int MT, int NT> __device__ __forceinline__ void rtk_frag_scale(float (&x)[MT][NT][4], float f) {
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) x[mt][nt][e] *= f;
+}
+
+// A warp's fp32 fragment of a state (rows sr0 .. sr0 + 16 MT - 1, NT n-tiles of value columns
+// from v0; the chunk kernels' state warps, the decay gradient's accumulators): where
+// element (mt, nt, e) lives in a [slots, B*H, Dk, Dv] buffer, and whether it is a real (row < Dk,
+// column < Dv) element; loading the initial state and storing the final one.
+template <int MT, int NT>
+struct rtk_chunk_state {
+  int sr0, g, t4, bh, Dk, Dv, v0, dv_here;
+  rtk_i64 state_slot;
+
+  __device__ __forceinline__ bool at(int mt, int nt, int e, rtk_i64& off) const {
+    const int r = sr0 + mt * 16 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
+    off = state_slot + ((rtk_i64)bh * Dk + r) * Dv + v0 + c;
+    return r < Dk && c < dv_here;
+  }
+  // f(mt, nt, e, off, real) for each element of the fragment (off and real as in at()).
+  template <class F> __device__ __forceinline__ void elems(F f) const {
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          rtk_i64 off;
+          const bool real = at(mt, nt, e, off);
+          f(mt, nt, e, off, real);
+        }
+  }
+  __device__ __forceinline__ void load(float (&s_acc)[MT][NT][4], const float* init_state) const {
+    elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {
+      s_acc[mt][nt][e] = (init_state != nullptr && real) ? init_state[off] : 0.f;
+    });
+  }
+  // The state entering segment z = blockIdx.z of the split-sequence strategy from the slots the
+  // states pass (rtk_chunk_states) wrote: slot 0 the initial state, slot 1 the state entering
+  // segment 1, slot j > 1 segment j-1's own state (from zero): s = slot[min(z, 1)], then
+  // s = gamma^seg_len s + slot[j] for j = 2 .. z (as rtk_chunk_seg_scan, in the same order).
+  __device__ __forceinline__ void fold(float (&s_acc)[MT][NT][4], const float* slots, float lgd, rtk_i64 seg_len,
+                                       int bh_count) const {
+    const int z = blockIdx.z;
+    const rtk_i64 slot = (rtk_i64)bh_count * Dk * Dv;
+    load(s_acc, slots + (z < 1 ? 0 : slot));
+    const float carry = expf(lgd * (float)seg_len);
+    #pragma unroll 1
+    for (int j = 2; j <= z; ++j) {
+      const float* sj = slots + j * slot;
+      elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {
+        s_acc[mt][nt][e] = fmaf(carry, s_acc[mt][nt][e], real ? sj[off] : 0.f);
+      });
+    }
+  }
+  __device__ __forceinline__ void store(const float (&s_acc)[MT][NT][4], float* final_state) const {
+    if (final_state == nullptr) return;
+    elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {
+      if (real) final_state[off] = s_acc[mt][nt][e];
+    });
+  }
+  // f(r, c, lo, hi) for each pair of adjacent elements (row r, columns c and c + 1) of the fragment.
+  template <class F> __device__ __forceinline__ void pairs(const float (&s_acc)[MT][NT][4], F f) const {
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          f(sr0 + mt * 16 + g + hh * 8, nt * 8 + 2 * t4, s_acc[mt][nt][2 * hh], s_acc[mt][nt][2 * hh + 1]);
+  }
+};

@@ -1,0 +1,94 @@
+// wgmma_sm90.cuh -- Hopper warpgroup MMA: swizzled shared-memory layout, descriptors, wgmma (sm_90a).
+#pragma once
+#include "types.cuh"
+
+// Hopper warpgroup MMA (wgmma, sm_90a only: callers guard with RTK_HAS_WGMMA).
+// Shared-memory operands use the 128-byte swizzle: a tile is stored in regions of 64 columns of
+// 16-bit values (128-byte rows), each region 1024-byte aligned; the 16-byte piece p of row r
+// sits at piece p ^ (r % 8) of that row (rtk_swz_off).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define RTK_HAS_WGMMA 1
+#endif
+
+// Element offset of 16-byte piece `piece` (8 elements) of row `row` in a tile of `rows` rows
+// stored as 128-byte-swizzled regions of 64 columns.
+__device__ __forceinline__ int rtk_swz_off(int rows, int row, int piece) {
+  return (piece >> 3) * (rows * 64) + row * 64 + (((piece & 7) ^ (row & 7)) << 3);
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle. lbo/sbo in bytes.
+__device__ __forceinline__ unsigned long long rtk_wg_desc(rtk_u32 saddr, rtk_u32 lbo, rtk_u32 sbo) {
+  return (unsigned long long)((saddr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |
+         ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
+}
+
+// base + off, formed right where it is used (volatile: the compiler neither hoists nor keeps a
+// table of descriptors alive in registers).
+__device__ __forceinline__ unsigned long long rtk_desc_at(unsigned long long base, rtk_u32 off16) {
+  unsigned long long d;
+  asm volatile("add.s64 %0, %1, %2;" : "=l"(d) : "l"(base), "l"((unsigned long long)off16));
+  return d;
+}
+#ifdef RTK_HAS_WGMMA
+__device__ __forceinline__ void rtk_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void rtk_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void rtk_wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(N) : "memory");
+}
+#else  // never reached: the wgmma instances only run where RTK_HAS_WGMMA is defined
+__device__ __forceinline__ void rtk_wg_fence() {}
+__device__ __forceinline__ void rtk_wg_commit() {}
+template <int N> __device__ __forceinline__ void rtk_wg_wait() {}
+#endif
+// Keeps the compiler from moving reads or writes of accumulator registers across a wait.
+template <int R> __device__ __forceinline__ void rtk_wg_pin(float (&d)[R]) {
+  #pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy (wgmma) reads.
+__device__ __forceinline__ void rtk_fence_proxy_async() {
+#ifdef RTK_HAS_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
+#define RTK_D32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define RTK_D32_OPS(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),   \
+  "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),         \
+  "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),     \
+  "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]),     \
+  "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+
+// D (64 x 64, fp32; warp w of the warpgroup holds rows 16w.., n-tile j in d[4j..4j+3] laid out as
+// an mma.sync m16n8 accumulator) (+)= A (64 x 16) B (16 x 64). A and B from shared memory
+// (descriptors); TB = 1: B stored MN-major ([k][n], n contiguous), 0: K-major ([n][k]).
+#define RTK_WGMMA_SS(TY)                                                                            \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                       \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " RTK_D32                 \
+               ", %32, %33, p, 1, 1, 0, %35;\n}\n"                                                 \
+               : RTK_D32_OPS(d) : "l"(da), "l"(db), "r"(acc), "n"(TB))
+#define RTK_WGMMA_RS(TY)                                                                            \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                       \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " " RTK_D32                 \
+               ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                                   \
+               : RTK_D32_OPS(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc), "n"(TB))
+
+template <int DT, int TB>
+__device__ __forceinline__ void rtk_wgmma_ss(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
+#ifdef RTK_HAS_WGMMA
+  if (DT == RTK_BF16) RTK_WGMMA_SS("bf16"); else RTK_WGMMA_SS("f16");
+#else
+  __trap();
+#endif
+}
+// As rtk_wgmma_ss with A (64 x 16) from registers: warp w gives rows 16w.. as an mma.sync
+// m16n8k16 A fragment.
+template <int DT, int TB>
+__device__ __forceinline__ void rtk_wgmma_rs(float (&d)[32], const rtk_u32 (&a)[4], unsigned long long db, int acc) {
+#ifdef RTK_HAS_WGMMA
+  if (DT == RTK_BF16) RTK_WGMMA_RS("bf16"); else RTK_WGMMA_RS("f16");
+#else
+  __trap();
+#endif
+}
