@@ -23,11 +23,19 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_is_pure_and_carries_sources(wheel):
     assert wheel.name.endswith("-py3-none-any.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    shipped = {p.name for p in (ROOT / "cuda_src").iterdir() if p.is_file()}
+    src = ROOT / "cuda_src"
+    shipped = {p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file()}
     assert shipped, "no CUDA sources in the checkout"
     for name in shipped:
         assert f"rtkernels/cuda_src/{name}" in names, f"{name} missing from the wheel"
     assert not any(n.endswith((".so", ".pyd", ".cubin")) for n in names)
+
+
+def test_wheel_ships_the_bench_harness_and_no_results(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for mod in ("__init__", "harness", "report", "peers", "timing", "jit"):
+        assert f"rtkernels/cli/bench/{mod}.py" in names
+    assert not any("results" in n or n.startswith("bench/") for n in names)
 
 
 def test_installed_wheel_finds_its_sources(wheel, tmp_path):
@@ -43,3 +51,21 @@ def test_installed_wheel_finds_its_sources(wheel, tmp_path):
     assert Path(module_file).is_relative_to(target)
     assert Path(src_dir) == target / "rtkernels" / "cuda_src"
     assert int(length) > 1000
+
+
+def test_installed_wheel_runs_the_bench_outside_the_checkout(wheel, tmp_path):
+    """``rtkernels bench --help`` and the CPU smoke run from a non-editable install, run from a
+    directory that is not the checkout."""
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                    str(wheel)], check=True)
+    env = dict(os.environ, PYTHONPATH=str(target))
+    run = lambda *args: subprocess.run([sys.executable, "-m", "rtkernels", "bench", *args], cwd=tmp_path, env=env,
+                                       capture_output=True, text=True, timeout=600)
+    res = run("--help")
+    assert res.returncode == 0 and res.stdout.startswith("usage: rtkernels bench"), res.stderr
+    res = run("--quick", "--shapes", "small", "--impls", "rtkernels", "torch", "--methods", "chunk", "scan",
+              "--no-jit", "--out", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr
+    table = (tmp_path / "out" / "bench.md").read_text()
+    assert "rtkernels/chunk" in table and "rtkernels/scan" in table

@@ -51,9 +51,9 @@ def _err(exc: BaseException) -> str:
 
 def rtkernels_impl(method: str) -> Impl:
     """``rtkernels.causal_linear_attention`` with one method; decay as a [H] float32 CPU tensor."""
-    from rtkernels import METHODS, causal_linear_attention as cla
-    from rtkernels.autograd import backward_impl
-    from rtkernels.methods import auto_method
+    from ... import METHODS, causal_linear_attention as cla
+    from ...autograd import backward_impl
+    from ...methods import auto_method
 
     def path(q: Tensor, v: Tensor) -> str:
         name = auto_method(q, v) if method == "auto" else method

@@ -1,5 +1,5 @@
-"""Scratch: one forward of the mma.sync chunk kernel, for racecheck.
-python bench/race_probe.py DK DV STATE SEGS DTYPE [WG]"""
+"""One forward of the chunk kernel (mma.sync, or wgmma with a sixth argument), for
+compute-sanitizer's racecheck: python bench/profiling/race_probe.py DK DV STATE SEGS DTYPE [WG]"""
 import sys
 
 import torch
@@ -9,8 +9,7 @@ from rtkernels.methods import chunk
 
 dk, dv, state, segs = (int(x) for x in sys.argv[1:5])
 dt = getattr(torch, sys.argv[5])
-chunk.force_wgmma = len(sys.argv) > 6
-chunk.force_segments = segs
+chunk.override(wgmma=len(sys.argv) > 6, segments=segs).__enter__()  # for the rest of this process
 q, k = (torch.randn(1, 2, 200, dk, device="cuda").to(dt) / 8 for _ in range(2))
 v = torch.randn(1, 2, 200, dv, device="cuda").to(dt)
 s0 = torch.randn(1, 2, dk, dv, device="cuda") if state else None

@@ -10,7 +10,7 @@ import time
 import torch
 
 import rtkernels
-from rtkernels import api
+from rtkernels import call_cache
 
 
 def tm(fn, n=3000):
@@ -36,14 +36,14 @@ print(f"cached call, state in and out   {tm(lambda: cla(q, k, v, g, initial_stat
 
 
 def full():
-    api._fast.clear()
+    call_cache.clear()
     return cla(q, k, v, g, method="chunk")
 
 
 print(f"full path (cache cleared)       {tm(full):.1f}")
-key = lambda: api._call_key(q, k, v, g, None, 1.0, "chunk", "bhnd", None, False)
-print(f"  _call_key                     {tm(key):.1f}")
-hit = api._fast[key()]
+key = lambda: call_cache.call_key(q, k, v, g, None, 1.0, "chunk", "bhnd", None, False)
+print(f"  call_key                      {tm(key):.1f}")
+hit = call_cache.lookup(key())
 out = torch.empty_like(v)
 print(f"  torch.empty                   {tm(lambda: torch.empty(hit.out_shape, dtype=hit.dtype, device=hit.device)):.1f}")
 print(f"  launcher                      {tm(lambda: hit.launcher(q, k, v, out, None)):.1f}")

@@ -1,14 +1,14 @@
 """JIT figures for the bench JSON: cold compile time of each kernel, first call with a warm cache.
 
 * ``nvrtc_offline_s``: NVRTC alone (``compile_offline``, sm_90, no GPU needed) per kernel: the
-  template instance the bf16 (or fp32) D = 128 problem uses. Measured in this process.
+  bf16 instance with KMAX 128 where the kernel has one (else its first). Measured in this process.
 * On a GPU, two fresh processes share a new, empty ``RTKERNELS_CACHE_DIR`` (kernel cache):
   - ``cold``: each kernel method's first call at (1, 2, 256, 128) in bf16 (scan/fleet/block also
     fp32), with the compile times of ``rtkernels.jit.compile_log()`` (NVRTC + load), per kernel;
   - ``warm``: the same calls in a new process: the first call's wall time (target <= 100 ms) and
     the module load times from the disk cache.
 
-``python -m bench.jit`` prints the figures as JSON.
+``python -m rtkernels.cli.bench.jit`` prints the figures as JSON.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-METHODS = ("chunk", "scan", "fleet", "block")
+#: The directory that holds the ``rtkernels`` package (put on the children's path).
+ROOT = Path(__file__).resolve().parents[3]
 TARGET_COLD_S, TARGET_WARM_MS = 3.0, 100.0
 
 _CHILD = r"""
@@ -50,7 +50,10 @@ print("JSON" + json.dumps(out))
 
 def _child(cache: str) -> dict[str, Any]:
     env = dict(os.environ, RTKERNELS_CACHE_DIR=cache, CUPY_CACHE_DIR=cache, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", _CHILD % {"methods": METHODS}], capture_output=True, text=True,
+    from ...methods import METHODS
+
+    methods = tuple(name for name, m in METHODS.items() if m.kernel is not None)
+    res = subprocess.run([sys.executable, "-c", _CHILD % {"methods": methods}], capture_output=True, text=True,
                          env=env, timeout=600)
     for line in res.stdout.splitlines():
         if line.startswith("JSON"):
@@ -59,24 +62,17 @@ def _child(cache: str) -> dict[str, Any]:
 
 
 def offline_compile_times(arch: str = "sm_90") -> dict[str, float]:
-    """Seconds of NVRTC alone per kernel (the D = 128 instance of each method), no GPU needed."""
-    import torch
+    """Seconds of NVRTC alone per kernel source (its bf16 KMAX 128 instance where it has one, else
+    its first), no GPU needed."""
+    from ...jit import compile_offline
+    from ...methods import kernel_instances
 
-    from rtkernels.methods import block, chunk, fleet, scan
-    from rtkernels.jit import compile_offline
-
-    picks = {
-        "chunk.cu " + chunk.name_expression(chunk.kernel_config(torch.bfloat16, 128, 128, True, 2, 1)): ("chunk.cu",),
-        "scan.cu " + scan.name_expression(scan.kernel_config(torch.bfloat16, 128)): ("scan.cu",),
-        "block.cu " + block.name_expression(block.kernel_config(torch.bfloat16, 128, 128)): ("block.cu",),
-        "fleet.cu " + fleet.name_expression((2,)): ("fleet.cu",),
-    }
     out = {}
-    for key, (source,) in picks.items():
-        name = key.split(" ", 1)[1]
+    for source, names in kernel_instances().items():
+        name = next((n for n in names if "<2, 128," in n), names[0])
         t0 = time.perf_counter()
         compile_offline(source, [name], arch)
-        out[key] = time.perf_counter() - t0
+        out[f"{source} {name}"] = time.perf_counter() - t0
     return out
 
 

@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     from rtkernels.methods import auto_method
     from rtkernels.jit import cupy_available
 
-    from .cli import cupy_version, nvrtc_version_text
+    from ..env import cupy_version, nvrtc_version_text
 
     if args.device == "auto":
         device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()

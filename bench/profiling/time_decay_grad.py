@@ -1,15 +1,15 @@
 """Scratch: forward + backward time at (4, 32, 4096, 128) bf16 with the decay fixed and with a
 trainable decay (the dlog(gamma) kernel), and the kernel's dlog(gamma) alone against the torch
-four-term formula. python -m bench.time_decay_grad"""
+four-term formula. python bench/profiling/time_decay_grad.py"""
 import math
 
 import torch
 
 import rtkernels
-from bench.timing import back_to_back_ms
+from rtkernels.cli.bench.timing import back_to_back_ms
 from rtkernels.autograd import log_decay_grad
 from rtkernels.decay import LogDecay
-from rtkernels.decay_grad import kernel_log_decay_grad
+from rtkernels.methods.chunk.decay_grad import kernel_log_decay_grad
 
 
 def ms(fn, reps=10):

@@ -32,17 +32,16 @@ def _git_commit() -> str:
 
 def environment(device: torch.device, quick: bool) -> dict[str, Any]:
     """Versions, the GPU, and the two limits measured in this run (copy bandwidth, tensor peak)."""
-    import rtkernels
-    from rtkernels import cli
-    from rtkernels.jit import sources_hash
+    from ... import env
+    from ...jit import sources_hash
 
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": f"{torch.__version__} ({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build'})",
-        "driver": cli._driver_version(), "cupy": cli.cupy_version() or "not installed",
-        "nvrtc": cli.nvrtc_version_text(), "triton": dist_version("triton") or "not installed",
-        "rtkernels": f"{rtkernels.__version__}, sources {sources_hash()}, commit {_git_commit()}",
+        "driver": env.driver_version(), "cupy": env.cupy_version() or "not installed",
+        "nvrtc": env.nvrtc_version_text(), "triton": dist_version("triton") or "not installed",
+        "rtkernels": f"{env.VERSION}, sources {sources_hash()}, commit {_git_commit()}",
     }
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
@@ -60,7 +59,7 @@ def environment(device: torch.device, quick: bool) -> dict[str, Any]:
 
 
 def roofline_pct(row: Row, env: dict[str, Any]) -> Optional[float]:
-    """BENCHMARK.md's limit: % of the roofline time for a forward, % of copy bandwidth for decode
+    """The limit of docs/benchmark.md: % of the roofline time for a forward, % of copy bandwidth for decode
     (None for forward + backward, which the protocol gives no limit for)."""
     if not row.get("ms") or row["pass"] == "fwdbwd":
         return None
@@ -118,7 +117,7 @@ def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> st
            "Peers: " + "; ".join(f"{k} {v.get('version') or v.get('reason')}" + (
                f" ({v['gpu_name_patch']})" if v.get("gpu_name_patch") else "") for k, v in env["peers"].items())
            + ".", "", _overhead_text(env.get("host_overhead_us", {})), "",
-           "vs fla: fla's time / this time (> 1: faster than fla). % roofline: BENCHMARK.md's "
+           "vs fla: fla's time / this time (> 1: faster than fla). % roofline: docs/benchmark.md's "
            "max(bytes/copy BW, flop/tensor peak) / time; decode rows: % of copy bandwidth. "
            "peak MB: the call's inputs + the most it allocates." + (BWD_NOTE if bwd else ""), "",
            "| shape | dtype | impl/method | ms | vs fla | % roofline | rel err | peak MB |"

@@ -1,7 +1,7 @@
 """Nsight Compute helper for the chunk kernels (device calls).
 
-    python -m bench.profile_chunk run CASE        # the workload ncu attaches to (3 calls)
-    python -m bench.profile_chunk top FILE.csv    # the SASS lines with the most stall samples
+    python bench/profiling/profile_chunk.py run CASE        # the workload ncu attaches to (3 calls)
+    python bench/profiling/profile_chunk.py top FILE.csv    # the SASS lines with the most stall samples
 
 CASE: mid (4,32,4096,128) bf16, long (1,32,16384,128) bf16, f32 (4,32,4096,128) fp32 exact,
 tf32 (same, TF32 mode). bench/ncu_chunk.sh runs ncu over each case and calls ``top``.

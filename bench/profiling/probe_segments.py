@@ -1,7 +1,7 @@
 """Scratch: chunk time (back-to-back API calls, so host time hides behind the GPU) per value-tile
 width and segment count, at the long and mid shapes.
 
-    python -m bench.probe_segments
+    python bench/profiling/probe_segments.py
 """
 import math
 
@@ -22,8 +22,9 @@ for label, (B, H, N, D) in SHAPES.items():
     ref = rtkernels.causal_linear_attention(q.float(), k.float(), v.float(), g, method="chunk")
     row = []
     for bv, segs in PLAN[label]:
-        chunk.force_bv, chunk.force_segments = bv, segs
         f = lambda: rtkernels.causal_linear_attention(q, k, v, g, method="chunk")
+        over = chunk.override(bv=bv, segments=segs)
+        over.__enter__()
         err = ((f().float() - ref).norm() / ref.norm()).item()
         for _ in range(3):
             f()
@@ -34,6 +35,6 @@ for label, (B, H, N, D) in SHAPES.items():
             f()
         e.record()
         torch.cuda.synchronize()
+        over.__exit__(None, None, None)
         row.append(f"bv{bv}/seg{segs}:{s.elapsed_time(e) / 20:.3f}ms({err:.1e})")
-    chunk.force_bv = chunk.force_segments = None
     print(label, " ".join(row), flush=True)

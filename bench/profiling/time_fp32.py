@@ -1,12 +1,12 @@
 """Time the fp32 chunk kernel in both modes (and bf16 for comparison) at one shape; check the error
-of one batch against fp64. Usage: python -m bench.time_fp32 [B H N D]  (default 4 32 4096 128)."""
+of one batch against fp64. Usage: python bench/profiling/time_fp32.py [B H N D]  (default 4 32 4096 128)."""
 
 import sys
 
 import torch
 
 import rtkernels
-from bench.timing import back_to_back_ms
+from rtkernels.cli.bench.timing import back_to_back_ms
 
 
 def main():

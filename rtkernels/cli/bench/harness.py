@@ -1,4 +1,4 @@
-"""The side-by-side benchmark of BENCHMARK.md: ``python -m bench.run`` or ``rtkernels bench``.
+"""The side-by-side benchmark of docs/benchmark.md: ``rtkernels bench`` (or ``python -m rtkernels.cli.bench.harness``).
 
 Every (implementation, method) on the standard shapes, with the peers measured in the same run, then
 JSON + Markdown + PNG under ``--out``. Without CUDA it times on the CPU (``--quick`` for a smoke run).
@@ -20,10 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-if TYPE_CHECKING:  # torch is imported when the benchmark runs, so --help stays quick
+from ...api import METHOD_NAMES
+
+if TYPE_CHECKING:
     import torch
 
-#: BENCHMARK.md's standard shapes: name -> [(B, H, N, D, dtypes)]; decode is one token, one entry per B
+#: The standard shapes of docs/benchmark.md: name -> [(B, H, N, D, dtypes)]; decode is one token, one entry per B
 SHAPES: dict[str, list[tuple[int, int, int, int, tuple[str, ...]]]] = {
     "small": [(2, 32, 1024, 128, ("bf16", "fp32"))],
     "mid": [(4, 32, 4096, 128, ("bf16", "fp16", "fp32"))],
@@ -37,12 +39,12 @@ SHAPES: dict[str, list[tuple[int, int, int, int, tuple[str, ...]]]] = {
 QUICK: dict[str, list[tuple[int, int, int, int]]] = {
     "small": [(1, 2, 64, 16)], "mid": [(2, 2, 128, 16)], "long": [(1, 2, 512, 16)], "d64": [(2, 2, 128, 64)],
     "huge": [(1, 2, 1024, 16)], "huge128k": [(1, 2, 128, 16)], "decode": [(2, 2, 1, 16), (4, 2, 1, 16)]}
-METHODS = ("vanilla", "recursion", "block", "fleet", "scan", "chunk", "auto")
+METHODS = METHOD_NAMES  # every method of the registry, and "auto"
 PASSES = ("fwd", "fwdbwd")
 IMPLS = ("rtkernels", "fla", "leetdecoding", "torch")
 O_N_MEMORY = ("scan", "fleet", "block", "chunk", "auto")  # rtkernels methods run on "huge*"
 FLUSH_BYTES = 256 << 20
-DEFAULT_OUT = Path(__file__).resolve().parent / "out"
+DEFAULT_OUT = Path("bench-out")  # under the working directory
 
 
 @dataclass
@@ -70,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20; 3 with --quick)")
     parser.add_argument("--max-call-s", type=float, default=2.0,
                         help="a call slower than this gets 3 repetitions only (default 2 s)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default bench/out)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default ./bench-out)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run, e.g. on the CPU")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     parser.add_argument("--no-jit", action="store_true",
@@ -121,7 +123,7 @@ def reference(inp: dict[str, Any], case: Case) -> tuple[torch.Tensor, str, Optio
     """fp64 output of batch 0 ``[H, N, D]``, how it was made, and when ``inp["grad"]`` is given the
     fp64 gradients ``[3, H, N, D]`` of batch 0's q, k, v under that incoming gradient (else None)."""
     import torch
-    from rtkernels import causal_linear_attention as cla
+    from ... import causal_linear_attention as cla
 
     q, k, v = (t[0] for t in inp["qkv"])  # batch 0, [H, N, D]
     gamma = inp["gamma"]
@@ -229,7 +231,7 @@ def host_overheads(impls: list[Any], device: torch.device) -> dict[str, Any]:
     (decay as a [H] CPU tensor and as a float; chunk's repeated calls take the cached-call path)
     and fla, where loaded."""
     import torch
-    from rtkernels import causal_linear_attention as cla
+    from ... import causal_linear_attention as cla
 
     from . import timing
 
@@ -334,7 +336,7 @@ def scaling(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the benchmark; write OUT/bench.json, OUT/bench.md, OUT/bench.png; print the table."""
-    args = add_arguments(argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)).parse_args(argv)
+    args = add_arguments(argparse.ArgumentParser(prog="rtkernels bench", description=__doc__)).parse_args(argv)
     import torch
 
     from . import report
@@ -342,7 +344,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     reps = args.reps or (3 if args.quick else 20)
     if reps < 20 and not args.quick:
-        print(f"warning: --reps {reps} < 20, below BENCHMARK.md's protocol", file=sys.stderr)
+        print(f"warning: --reps {reps} < 20, below the protocol of docs/benchmark.md", file=sys.stderr)
     print(f"bench: device {device}, reps {reps}, out {args.out}", flush=True)
     env = report.environment(device, args.quick)
     impls, env["peers"] = load_impls(args.impls, args.methods, device)
