@@ -4,7 +4,7 @@
 # Usage: source bench/setup_peers.sh   (exports PYTHONPATH)
 set -u
 if [ ! -d /tmp/peers/fla ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers .peers/*.whl .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peers $(ls .peers/*.whl .whl/*.whl 2>/dev/null)
 fi
 if [ ! -d /tmp/peers/pycuda ] && ls .peers/pycuda-*.tar.gz >/dev/null 2>&1; then
   (rm -rf /tmp/pycuda-src && mkdir -p /tmp/pycuda-src && tar xzf .peers/pycuda-*.tar.gz -C /tmp/pycuda-src \

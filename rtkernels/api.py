@@ -279,7 +279,7 @@ def causal_linear_attention(
         elif (key is not None and m.kernel_prepare is not None and m.uses_kernel(qt, vt)
               and qt.stride(-1) == kt.stride(-1) == vt.stride(-1) == 1):  # plan, run, and cache the plan
             launcher = m.kernel_prepare(qt, kt, vt, log_decay, scale, out_view, return_state,
-                                        **m.kernel_kwargs(fp32_precision))
+                                        fp32_precision=fp32_precision)
             state = launcher(qt, kt, vt, out_view, s0)
             call_cache.remember(key, launcher, out, v, decay, decay_rate)
         else:
