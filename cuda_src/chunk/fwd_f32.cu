@@ -18,7 +18,7 @@
 // half its columns): the splits leave issue slots a third warp per SM sub-partition fills. TF32
 // runs NSW = 4 (256 threads). The state warps also compute pieces of q S (rtk_f32_pieces), so the
 // output warps, whose work grows with their rows, do not hold everyone up; they hand them over
-// through named barrier 1. docs/kernels.md has the protocol and docs/performance.md the timings.
+// through named barrier 1. docs/design.md has the protocol and docs/performance.md the timings.
 
 #include "../include/copy.cuh"
 #include "../include/params.cuh"
