@@ -66,23 +66,3 @@ def test_compile_error_names_kernel_and_shows_log():
     msg = str(info.value)
     assert bad in msg and "scan.cu" in msg
     assert "incomplete type" in msg or "error" in msg.lower()
-
-
-def test_python_builds_the_parameter_struct_in_its_field_order():
-    """fwd_args packs the fields of rtk_fwd_params (8 bytes each) in the order the C struct
-    declares them: the struct is the kernels' one parameter."""
-    import re
-
-    import torch
-
-    from rtkernels.decay import LogDecay
-    from rtkernels.methods._launch import FWD_FIELDS, fwd_args
-
-    text = (source_dir() / "include" / "params.cuh").read_text()
-    body = re.search(r"struct rtk_fwd_params \{(.*?)\};", text, re.S).group(1)
-    fields = [name for decl in body.split(";") for name in re.findall(r"(\w+)\s*(?:,|$)", decl.strip())]
-    assert tuple(fields) == FWD_FIELDS
-    x = torch.zeros(2, 3, 5, 4)
-    args = fwd_args(x, x, x, x, LogDecay(x.device, host=(0.0,) * 3), None, None, 0.5)
-    assert len(args) == len(FWD_FIELDS) and args[FWD_FIELDS.index("scale")] == 0.5
-    assert all(type(a) is int for i, a in enumerate(args) if FWD_FIELDS[i] != "scale")

@@ -170,41 +170,17 @@ __device__ __forceinline__ void rtk_dg_tile(int i, int& r, int& c) {
 
 // Parameters: q, k, v, do ([B, H, N, D] views, unit last stride), log(gamma) [H], the initial
 // state and the gradient of the final state (fp32 contiguous [B, H, Dk, Dv], or null), the
-// partial sums [B, gridDim.y, H]; then sizes, scale and strides as rtk_fwd_params (do in o's place): rtk_dg_params.
+// partial sums [B, gridDim.y, H]; then sizes, scale and strides as RTK_FWD_PARAMS (do in o's place).
 // Registers: 128 a thread for KMAX <= 128 (two CTAs per multiprocessor: their shared memory fits),
 // no spills; KMAX = 256 takes one CTA per multiprocessor (shared memory) and up to 255.
-// The forward's inputs with dL/do (dout) in place of o, the initial state, dL/d(final state)
-// (grad_state, may be null) and the per-CTA partial sums; sizes and strides as rtk_fwd_params.
-struct rtk_dg_params {
-  const void* q;
-  const void* k;
-  const void* v;
-  const void* dout;
-  const float* log_decay;
-  const float* init_state;
-  const float* grad_state;
-  float* partial;
-  rtk_i64 H, N, Dk, Dv;
-  double scale;
-  rtk_i64 q_sb, q_sh, q_sn, k_sb, k_sh, k_sn, v_sb, v_sh, v_sn, d_sb, d_sh, d_sn;
-};
-static_assert(sizeof(rtk_dg_params) == 25 * 8, "rtk_dg_params: 25 fields of 8 bytes");
-
 template <int DT, int KMAX, int BV, bool VEC>
 __global__ void __launch_bounds__(256, KMAX <= 128 ? 2 : 1)
-rtk_chunk_decay_grad(const __grid_constant__ rtk_dg_params p) {
-  const rtk_u16* __restrict__ q = static_cast<const rtk_u16*>(p.q);
-  const rtk_u16* __restrict__ k = static_cast<const rtk_u16*>(p.k);
-  const rtk_u16* __restrict__ v = static_cast<const rtk_u16*>(p.v);
-  const rtk_u16* __restrict__ dout = static_cast<const rtk_u16*>(p.dout);
-  const float* __restrict__ log_decay = p.log_decay;
-  const float* __restrict__ init_state = p.init_state;
-  const float* __restrict__ grad_state = p.grad_state;
-  float* __restrict__ partial = p.partial;
-  const rtk_i64 H_ = p.H, N_ = p.N, Dk_ = p.Dk, Dv_ = p.Dv;
-  const double scale_ = p.scale;
-  const rtk_i64 q_sb = p.q_sb, q_sh = p.q_sh, q_sn = p.q_sn, k_sb = p.k_sb, k_sh = p.k_sh, k_sn = p.k_sn;
-  const rtk_i64 v_sb = p.v_sb, v_sh = p.v_sh, v_sn = p.v_sn, d_sb = p.d_sb, d_sh = p.d_sh, d_sn = p.d_sn;
+rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ k, const rtk_u16* __restrict__ v,
+                     const rtk_u16* __restrict__ dout, const float* __restrict__ log_decay,
+                     const float* __restrict__ init_state, const float* __restrict__ grad_state,
+                     float* __restrict__ partial, rtk_i64 H_, rtk_i64 N_, rtk_i64 Dk_, rtk_i64 Dv_, double scale_,
+                     rtk_i64 q_sb, rtk_i64 q_sh, rtk_i64 q_sn, rtk_i64 k_sb, rtk_i64 k_sh, rtk_i64 k_sn,
+                     rtk_i64 v_sb, rtk_i64 v_sh, rtk_i64 v_sn, rtk_i64 d_sb, rtk_i64 d_sh, rtk_i64 d_sn) {
   RTK_FWD_SIZES;
   typedef rtk_dg_smem<KMAX, BV> L;
   typedef rtk_dg_split<KMAX, BV> P;

@@ -129,11 +129,9 @@ if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # the handle without buildin
 class Kernel:
     """A compiled kernel loaded on one device (the driver module stays loaded while it lives).
 
-    Every rtkernels kernel takes one parameter, a struct passed by value whose fields are all 8
-    bytes wide (``rtk_fwd_params`` and its kin in ``cuda_src``). :meth:`launch` packs the argument
-    tuple, in the struct's field order, into one reusable buffer (a Python int as a 64-bit integer,
-    a float as a double): those bytes are the struct, handed to ``cuLaunchKernel`` as its single
-    parameter.
+    :meth:`launch` packs the arguments into one reusable buffer and calls ``cuLaunchKernel``
+    directly (a Python int goes in as a 64-bit integer, a float as a double: every parameter of
+    rtkernels' kernels is 8 bytes wide, or a 4-byte int read from the low half of its slot).
     """
 
     def __init__(self, module: int, function: int, device_index: int):
@@ -166,7 +164,8 @@ class Kernel:
 
         fmt = "<" + "".join("d" if isinstance(a, float) else "q" for a in args)
         buf = ctypes.create_string_buffer(8 * len(args))
-        params = (ctypes.c_void_p * 1)(ctypes.addressof(buf))  # one parameter: the struct's bytes
+        base = ctypes.addressof(buf)
+        params = (ctypes.c_void_p * len(args))(*[base + 8 * i for i in range(len(args))])
         return struct.Struct(fmt), (buf, params), ctypes.addressof(params)
 
     def bind(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, device_index: int,

@@ -1,10 +1,9 @@
-"""What every forward kernel launch shares: operand preparation and the kernels' parameters.
+"""What every forward kernel launch shares: operand preparation and the common arguments.
 
-The kernels take one struct, ``rtk_fwd_params`` (``cuda_src/include/params.cuh``; the chunk and
-scan kernels embed it first and add their own fields): seven pointers, then H, N, Dk, Dv as
-64-bit integers and the scale as a double, then the (batch, head, token) element strides of q, k,
-v and o. :data:`FWD_FIELDS` names its fields in order and :func:`fwd_args` builds them, here
-only: plain Python ints and floats that the launcher packs into the struct's bytes.
+The kernels take ``RTK_FWD_PARAMS`` (``cuda_src/rtk_common.cuh``) first: seven pointers, then
+H, N, Dk, Dv as 64-bit integers and the scale as a double, then the (batch, head, token) element
+strides of q, k, v and o. Plain Python ints and floats are passed, so building the arguments
+allocates nothing but the tuple.
 
 Reversed token order (``reverse=True``): the kernels address row n of every operand as
 ``pointer + n * token_stride`` with signed 64-bit strides, so the tensors read (and the output
@@ -20,11 +19,7 @@ import torch
 
 from ..decay import LogDecay
 
-__all__ = ["FWD_FIELDS", "operands", "unit_stride", "fwd_args", "fwd_tail", "row_address"]
-
-#: The fields of ``rtk_fwd_params`` in order (a test holds them against the C struct).
-FWD_FIELDS = ("q", "k", "v", "o", "log_decay", "init_state", "final_state", "H", "N", "Dk", "Dv", "scale",
-              "q_sb", "q_sh", "q_sn", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn", "o_sb", "o_sh", "o_sn")
+__all__ = ["operands", "unit_stride", "fwd_args", "fwd_tail", "row_address"]
 
 
 def operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: Optional[torch.Tensor],
@@ -54,7 +49,7 @@ def row_address(x: torch.Tensor, reverse: bool = False) -> int:
 
 def fwd_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float,
              reverse: bool = False) -> tuple:
-    """The fields of ``rtk_fwd_params`` after the seven pointers: sizes, scale and strides (token
+    """The ``RTK_FWD_PARAMS`` arguments after the seven pointers: sizes, scale and strides (token
     strides negated with ``reverse``)."""
     _, h, n, dk = q.shape
     sgn = -1 if reverse else 1
@@ -65,7 +60,7 @@ def fwd_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
 
 def fwd_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, log_decay: LogDecay,
              s0: Optional[torch.Tensor], final: Optional[torch.Tensor], scale: float) -> tuple:
-    """The ``rtk_fwd_params`` fields (:data:`FWD_FIELDS`), in token order (a reversed launch plans its
+    """The ``RTK_FWD_PARAMS`` argument tuple, in token order (a reversed launch plans its
     pointers with :func:`row_address` and its strides with :func:`fwd_tail`)."""
     return (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), log_decay.tensor(torch.float32).data_ptr(),
             0 if s0 is None else s0.data_ptr(), 0 if final is None else final.data_ptr(),
