@@ -1,4 +1,4 @@
-"""Element type codes shared with ``cuda_src/rtk_common.cuh`` (``RTK_F32``, ``RTK_F16``, ``RTK_BF16``)."""
+"""Element type codes shared with ``cuda_src/include/types.cuh`` (``RTK_F32``, ``RTK_F16``, ``RTK_BF16``)."""
 
 from __future__ import annotations
 

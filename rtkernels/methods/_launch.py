@@ -1,6 +1,6 @@
 """What every forward kernel launch shares: operand preparation and the common arguments.
 
-The kernels take ``RTK_FWD_PARAMS`` (``cuda_src/rtk_common.cuh``) first: seven pointers, then
+The kernels take ``RTK_FWD_PARAMS`` (``cuda_src/include/params.cuh``) first: seven pointers, then
 H, N, Dk, Dv as 64-bit integers and the scale as a double, then the (batch, head, token) element
 strides of q, k, v and o. Plain Python ints and floats are passed, so building the arguments
 allocates nothing but the tuple.
