@@ -72,12 +72,12 @@ def test_info_exits_zero_and_shows_caches(capsys, monkeypatch, tmp_path):
 def test_autotune_problems_from_preset_and_explicit_shapes():
     parser = cli.build_parser()
     args = parser.parse_args(["autotune"])
-    probs = cli.autotune.problems(args)
+    probs = cli.autotune.parse_problems(args)
     assert len(probs) == 9 and Problem(4, 32, 4096, 128, 128, "fp16") in probs
     args = parser.parse_args(["autotune", "--shapes", "mid", "2x4x100x64x32", "--dtype", "fp32"])
-    assert cli.autotune.problems(args) == [Problem(4, 32, 4096, 128, 128, "fp32"), Problem(2, 4, 100, 64, 32, "fp32")]
+    assert cli.autotune.parse_problems(args) == [Problem(4, 32, 4096, 128, 128, "fp32"), Problem(2, 4, 100, 64, 32, "fp32")]
     with pytest.raises(ValueError):
-        cli.autotune.problems(parser.parse_args(["autotune", "--shapes", "2x4x100"]))
+        cli.autotune.parse_problems(parser.parse_args(["autotune", "--shapes", "2x4x100"]))
 
 
 def test_autotune_summary_table():

@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
 
 
-def problems(args: argparse.Namespace) -> list:
+def parse_problems(args: argparse.Namespace) -> list:
     from ..autotune.presets import PRESETS, parse_shape
     from ..autotune.space import Problem
 
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from ..autotune import bucket, cuda, record, store_for_device
 
     try:
-        problems = problems(args)
+        problems = parse_problems(args)
     except ValueError as exc:
         print(f"{PROG} autotune: {exc}", file=sys.stderr)
         return 2
