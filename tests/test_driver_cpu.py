@@ -9,3 +9,36 @@ def test_zero_status_passes_and_nonzero_raises_naming_the_call():
     driver.check(0, "cuLaunchKernel")
     with pytest.raises(driver.CudaDriverError, match=r"cuLaunchKernel failed: .*\(700\)"):
         driver.check(700, "cuLaunchKernel")
+
+
+def test_a_thread_without_a_context_gets_torchs_and_the_launch_is_retried(monkeypatch):
+    """cuLaunchKernel answers CUDA_ERROR_INVALID_CONTEXT on a thread that has no current context
+    (a fresh autograd worker thread): the launcher makes the device's primary context current and
+    launches again, once; any other failure still raises."""
+    import threading
+
+    import torch
+
+    from rtkernels.jit import jit
+
+    statuses, made = [driver.INVALID_CONTEXT, 0], []
+
+    def fake_launch(*args):
+        return statuses.pop(0)
+
+    k = jit.Kernel.__new__(jit.Kernel)
+    k._ptr, k.device_index, k._launch_kernel = 1, 0, fake_launch
+    k._layouts, k._lock = {}, threading.Lock()
+    monkeypatch.setattr(jit, "_raw_stream", lambda dev: 0)
+    monkeypatch.setattr(driver, "make_primary_current", lambda dev: made.append(dev))
+    k.launch((1, 1, 1), (32, 1, 1), (0, 1, 2.0), 0, 0)
+    assert made == [0] and statuses == []
+
+    bound = k.bind((1, 1, 1), (32, 1, 1), 0, 0, 2, (3, 4.0))
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)  # CPU builds lack it
+    statuses[:] = [driver.INVALID_CONTEXT, 0]
+    bound(10, 20)
+    assert made == [0, 0] and statuses == []
+    statuses[:] = [driver.INVALID_CONTEXT, 700]
+    with pytest.raises(driver.CudaDriverError, match=r"\(700\)"):
+        bound(10, 20)

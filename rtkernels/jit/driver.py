@@ -39,7 +39,11 @@ def _lib() -> Any:
            "cuFuncSetAttribute": [vp, i, i],
            "cuFuncGetAttribute": [ctypes.POINTER(i), i, vp],
            "cuLaunchKernel": [vp, u, u, u, u, u, u, u, vp, vp, vp],
-           "cuGetErrorName": [i, ctypes.POINTER(ctypes.c_char_p)]}
+           "cuGetErrorName": [i, ctypes.POINTER(ctypes.c_char_p)],
+           "cuDeviceGet": [ctypes.POINTER(i), i],
+           "cuDevicePrimaryCtxRetain": [ctypes.POINTER(vp), i],
+           "cuDevicePrimaryCtxRelease": [i],
+           "cuCtxSetCurrent": [vp]}
     for name, args in sig.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, i
@@ -106,3 +110,25 @@ def launch_kernel() -> Callable[..., Any]:
     None)."""
     lib = _lib()
     return _cupy().launchKernel if lib is None else lib.cuLaunchKernel
+
+
+#: cuLaunchKernel's status when the calling thread has no current context.
+INVALID_CONTEXT = 201
+
+
+def make_primary_current(device_index: int) -> None:
+    """Make the primary context of device ``device_index`` (torch's) current on this thread. A
+    thread that has made no CUDA runtime call yet has none, e.g. a fresh autograd worker thread."""
+    lib = _lib()
+    if lib is None:  # CuPy's binding: cudaSetDevice binds the primary context (CUDA >= 12)
+        from cupy_backends.cuda.api import runtime
+
+        runtime.setDevice(device_index)
+        return
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    check(lib.cuDeviceGet(ctypes.byref(dev), device_index), "cuDeviceGet")
+    check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    try:
+        check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+    finally:
+        lib.cuDevicePrimaryCtxRelease(dev)  # torch holds the primary context; keep its count as it was

@@ -185,6 +185,10 @@ class Kernel:
             packer.pack_into(buf, 0, *args)
             status = self._launch_kernel(self._ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
                                          shared_mem, stream, params_ptr, 0)
+            if status == driver.INVALID_CONTEXT:  # a thread without a current context: make torch's current, retry
+                driver.make_primary_current(device_index)
+                status = self._launch_kernel(self._ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
+                                             shared_mem, stream, params_ptr, 0)
         if status:
             driver.check(status, "cuLaunchKernel")
 
@@ -218,6 +222,10 @@ class BoundLaunch:
             self._head.pack_into(self._buf[0], 0, *head)
             status = k._launch_kernel(k._ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream,
                                       self._params, 0)
+            if status == driver.INVALID_CONTEXT:  # e.g. an autograd worker thread that has no context yet
+                driver.make_primary_current(self.dev)
+                status = k._launch_kernel(k._ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream,
+                                          self._params, 0)
         if status:
             driver.check(status, "cuLaunchKernel")
 
