@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["VERSION", "cupy_version", "nvrtc_version_text", "kernel_cache_dir", "cuda_version_text",
-           "driver_version", "no_gpu_reason"]
+__all__ = ["VERSION", "torch_version_text", "cupy_version", "nvrtc_version_text", "kernel_cache_dir",
+           "cuda_version_text", "driver_version", "no_gpu_reason"]
 
 #: rtkernels' version (``rtkernels.__version__``).
 VERSION = "0.1.0"
@@ -59,24 +59,51 @@ def cuda_version_text(v: int) -> str:
     return f"{v // 1000}.{(v % 1000) // 10}"
 
 
-def driver_version() -> str:
-    """The CUDA driver version, from torch where it says so, else from CuPy; or "unknown"."""
+def torch_version_text() -> str:
+    """torch's version and its CUDA build (``"2.5.1 (built with CUDA 12.4)"``, ``"2.5.1 (CPU-only build)"``)."""
     try:
         import torch
+    except Exception as exc:
+        return f"not importable ({type(exc).__name__}: {exc})"
+    cuda = getattr(torch.version, "cuda", None)
+    return f"{torch.__version__} (built with CUDA {cuda})" if cuda else f"{torch.__version__} (CPU-only build)"
 
-        get = getattr(torch._C, "_cuda_getDriverVersion", None)  # not public API: guarded
-        if get is not None and torch.cuda.is_available():
-            v = int(get())
-            if v > 0:
-                return f"{cuda_version_text(v)} (from torch)"
-    except Exception:
-        pass
+
+def _libcuda_driver_version() -> int:
+    """cuDriverGetVersion of the CUDA driver library (libcuda / nvcuda), or 0 where there is none.
+    The driver API's own call: it needs no GPU and no CUDA context."""
+    import ctypes
+    import ctypes.util
+
+    names = ("nvcuda.dll",) if os.name == "nt" else ("libcuda.so.1", "libcuda.so", ctypes.util.find_library("cuda"))
+    for name in names:
+        if not name:
+            continue
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        v = ctypes.c_int(0)
+        if lib.cuDriverGetVersion(ctypes.byref(v)) == 0 and v.value > 0:
+            return v.value
+    return 0
+
+
+def driver_version() -> str:
+    """The CUDA driver version, from CuPy where it is installed, else from the driver library's
+    ``cuDriverGetVersion``; or "unknown" (public interfaces only: no torch internals)."""
     try:
         import cupy
 
         v = int(cupy.cuda.runtime.driverGetVersion())
         if v > 0:
             return f"{cuda_version_text(v)} (from CuPy)"
+    except Exception:
+        pass
+    try:
+        v = _libcuda_driver_version()
+        if v > 0:
+            return f"{cuda_version_text(v)} (from the driver library)"
     except Exception:
         pass
     return "unknown (no CUDA driver found)"

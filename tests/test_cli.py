@@ -9,18 +9,18 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from rtkernels import cli
+from rtkernels.env import no_gpu_reason
 from rtkernels.autotune.space import Problem
 from rtkernels.autotune.tuner import Candidate, Trial, TuneResult
 
 ROOT = Path(__file__).resolve().parent.parent
-NO_GPU = cli.no_gpu_reason() is not None
+NO_GPU = no_gpu_reason() is not None
 needs_no_gpu = pytest.mark.skipif(not NO_GPU, reason="checks the behaviour without a GPU")
 
 
-@pytest.mark.parametrize("command", [None, *cli._COMMANDS])
+@pytest.mark.parametrize("command", [None, *cli.COMMANDS])
 def test_every_subcommand_has_help(command, capsys):
     argv = ["--help"] if command is None else [command, "--help"]
     with pytest.raises(SystemExit) as info:

@@ -1,7 +1,11 @@
-"""The wheel is pure, carries every CUDA source, and an installed (non-editable) copy finds them."""
+"""The wheel is pure, carries every CUDA source and the bench harness, and an installed
+(non-editable) copy finds them and runs ``rtkernels bench`` outside the checkout; the sdist ships
+no bench/ (profiling tools, past results)."""
 
+import importlib.util
 import os
 import subprocess
+import tarfile
 import sys
 import zipfile
 from pathlib import Path
@@ -36,6 +40,23 @@ def test_wheel_ships_the_bench_harness_and_no_results(wheel):
     for mod in ("__init__", "harness", "report", "peers", "timing", "jit"):
         assert f"rtkernels/cli/bench/{mod}.py" in names
     assert not any("results" in n or n.startswith("bench/") for n in names)
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "rtkernels = rtkernels.cli:main" in text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("build") is None, reason="needs the 'build' package")
+def test_sdist_ships_no_bench_folder(tmp_path):
+    subprocess.run([sys.executable, "-m", "build", "--sdist", "-o", str(tmp_path), str(ROOT)], check=True,
+                   capture_output=True)
+    (sdist,) = tmp_path.glob("rtkernels-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
+    assert "rtkernels/cli/bench/harness.py" in names and "pyproject.toml" in names
+    assert not any(n.startswith("bench/") for n in names), [n for n in names if n.startswith("bench/")][:5]
+    tops = {n.split("/", 1)[0] for n in names}
+    assert tops <= {"rtkernels", "cuda_src", "tests", "docs", "examples", "README.md", "pyproject.toml", "PKG-INFO",
+                    ".gitignore"}, tops
 
 
 def test_installed_wheel_finds_its_sources(wheel, tmp_path):

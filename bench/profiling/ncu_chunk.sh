@@ -1,8 +1,10 @@
 #!/bin/bash
-# Nsight Compute over the chunk kernels: bench/ncu_chunk.sh OUTDIR CASE [CASE ...] (see
-# bench/profile_chunk.py). Per case (the report itself in /tmp): the details page, the SASS source page
-# (CSV) and the most-stalled SASS lines.
+# Nsight Compute over the chunk kernels, from the checkout's root:
+#   bash bench/profiling/ncu_chunk.sh OUTDIR CASE [CASE ...]    (CASE: mid long f32 tf32, see profile_chunk.py)
+# Per case (the report itself in /tmp): the details page, the SASS source page (CSV) and the
+# most-stalled SASS lines.
 out=$1; shift
+mkdir -p "$out"
 for c in "$@"; do
   ncu --clock-control none --kernel-name regex:rtk_chunk --launch-skip 2 --launch-count 2 --set full \
       --import-source no -f -o "/tmp/$c" python3 bench/profiling/profile_chunk.py run "$c" > "/tmp/$c.ncu.log" 2>&1 || tail -5 "/tmp/$c.ncu.log"

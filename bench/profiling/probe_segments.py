@@ -1,5 +1,5 @@
 """Scratch: chunk time (back-to-back API calls, so host time hides behind the GPU) per value-tile
-width and segment count, at the long and mid shapes.
+width and segment count, at the small, mid and long shapes.
 
     python bench/profiling/probe_segments.py
 """
@@ -8,6 +8,7 @@ import math
 import torch
 
 import rtkernels
+from rtkernels.cli.bench.timing import back_to_back_ms
 from rtkernels.methods import chunk
 
 SHAPES = {"small": (2, 32, 1024, 128), "mid": (4, 32, 4096, 128), "long": (1, 32, 16384, 128)}
@@ -22,19 +23,11 @@ for label, (B, H, N, D) in SHAPES.items():
     ref = rtkernels.causal_linear_attention(q.float(), k.float(), v.float(), g, method="chunk")
     row = []
     for bv, segs in PLAN[label]:
-        f = lambda: rtkernels.causal_linear_attention(q, k, v, g, method="chunk")
-        over = chunk.override(bv=bv, segments=segs)
-        over.__enter__()
-        err = ((f().float() - ref).norm() / ref.norm()).item()
-        for _ in range(3):
-            f()
-        s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-        torch.cuda.synchronize()
-        s.record()
-        for _ in range(20):
-            f()
-        e.record()
-        torch.cuda.synchronize()
-        over.__exit__(None, None, None)
-        row.append(f"bv{bv}/seg{segs}:{s.elapsed_time(e) / 20:.3f}ms({err:.1e})")
+        def f():
+            return rtkernels.causal_linear_attention(q, k, v, g, method="chunk")
+
+        with chunk.override(bv=bv, segments=segs):
+            err = ((f().float() - ref).norm() / ref.norm()).item()
+            ms = back_to_back_ms(f, reps=20, warmup=3)
+        row.append(f"bv{bv}/seg{segs}:{ms:.3f}ms({err:.1e})")
     print(label, " ".join(row), flush=True)

@@ -4,7 +4,7 @@
     python bench/profiling/profile_chunk.py top FILE.csv    # the SASS lines with the most stall samples
 
 CASE: mid (4,32,4096,128) bf16, long (1,32,16384,128) bf16, f32 (4,32,4096,128) fp32 exact,
-tf32 (same, TF32 mode). bench/ncu_chunk.sh runs ncu over each case and calls ``top``.
+tf32 (same, TF32 mode). bench/profiling/ncu_chunk.sh runs ncu over each case and calls ``top``.
 """
 import csv
 import sys

@@ -2,7 +2,7 @@
 the cached call for each decay form, the full path (cache cleared each call), and the pieces of the
 cached call.
 
-    python bench/profile_host.py
+    python bench/profiling/profile_host.py
 """
 import math
 import time

@@ -8,8 +8,10 @@
 
 One module per subcommand (:mod:`.info`, :mod:`.demo`, :mod:`.check`, :mod:`.autotune`,
 :mod:`.bench`), each with ``add_arguments(parser)`` and a function that runs it and returns the
-exit status; ``_COMMANDS`` lists them. ``check``, ``autotune`` and ``bench`` need a CUDA GPU:
-without one they print one sentence and exit with status 2.
+exit status; :data:`COMMANDS` lists them. ``check``, ``autotune`` and ``bench`` need a CUDA GPU:
+without one they print one sentence and exit with status 2. The environment helpers they share
+(versions, GPU checks) are public names of :mod:`rtkernels.env`; nothing in rtkernels but
+``__main__`` imports this package.
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ import argparse
 import sys
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from ..env import cupy_version, kernel_cache_dir, no_gpu_reason, nvrtc_version_text
 from . import autotune, bench, check, demo, info
 from .common import PROG
 
-__all__ = ["main", "build_parser", "cupy_version", "nvrtc_version_text", "kernel_cache_dir", "no_gpu_reason"]
+__all__ = ["main", "build_parser", "COMMANDS", "Command"]
 
 
-class _Command(NamedTuple):
+class Command(NamedTuple):
+    """A subcommand: its one-line help, its description, how it adds its options, how it runs."""
+
     help: str
     description: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
@@ -33,33 +36,33 @@ class _Command(NamedTuple):
 
 
 #: Subcommands in the order ``--help`` lists them.
-_COMMANDS: dict[str, _Command] = {
-    "info": _Command(
+COMMANDS: dict[str, Command] = {
+    "info": Command(
         "show GPUs, torch/CUDA, CuPy, NVRTC, the CUDA sources, the caches and what is tuned",
         "Print what rtkernels sees on this machine: GPU name(s) and compute capability, the CUDA "
         "driver and torch's CUDA build, CuPy and NVRTC versions, whether the CUDA kernels can run, "
         "where the CUDA sources are and their hash, CuPy's kernel cache (what is compiled), the "
         "autotune store and the shape buckets tuned for each GPU. Exit status 0, with or without a GPU.",
         info.add_arguments, info.run),
-    "demo": _Command(
+    "demo": Command(
         "run every method on one problem, check it against fp64 and time it",
         "Run every rtkernels method (and method='auto') on one random problem, check each against "
         "an fp64 reference and time it. Exit status 0 when all are within tolerance, 1 otherwise.",
         demo.add_arguments, lambda args: demo.main(args.rest)),
-    "check": _Command(
+    "check": Command(
         "GPU self-test: every method against the fp64 reference on odd shapes",
         "Run every method (and method='auto') on a few odd shapes in bf16, fp16 and fp32 on the GPU and "
         "compare each with the fp64 reference; print a pass/fail table. Exit status 0 when all pass, 1 "
         "on any failure, 2 without a CUDA GPU.",
         check.add_arguments, check.run),
-    "autotune": _Command(
+    "autotune": Command(
         "tune method='auto' and every kernel's tiles for this GPU, per shape bucket",
         "Time every candidate (each method; for kernel methods every config of its space that the GPU "
         "can run) on each shape, check each output against the fp64 torch path, and store the fastest "
         "per shape bucket for this GPU (see rtkernels info for where). Exit status 0 when every shape "
         "got a result, 1 otherwise, 2 without a CUDA GPU.",
         autotune.add_arguments, autotune.run),
-    "bench": _Command(
+    "bench": Command(
         "benchmark every method against the peers (fla, LeetDecoding, torch)",
         "Run the side-by-side benchmark of docs/benchmark.md: every "
         "rtkernels method and the peers that import, on the standard shapes; writes JSON, a Markdown "
@@ -78,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "(o_i = scale * sum_{j<=i} gamma_h^(i-j) (q_i . k_j) v_j).")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    for name, cmd in _COMMANDS.items():
+    for name, cmd in COMMANDS.items():
         p = sub.add_parser(name, help=cmd.help, description=cmd.description)
         cmd.add_arguments(p)
     return parser
@@ -95,7 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # The arguments after the subcommand's name (the top level has only --help and --version,
     # which exit, so the first occurrence of the name is the subcommand).
     args.rest = argv[argv.index(args.command) + 1:]
-    return _COMMANDS[args.command].run(args)
+    return COMMANDS[args.command].run(args)
 
 
 if __name__ == "__main__":

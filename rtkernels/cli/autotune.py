@@ -8,7 +8,6 @@ import sys
 from .common import PROG, require_gpu
 
 
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..autotune.presets import PRESETS
 

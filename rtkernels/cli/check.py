@@ -7,7 +7,6 @@ import argparse
 from .common import require_gpu
 
 
-
 #: (B, H, N, Dk, Dv): odd sizes, one token, the largest head, a sequence of several chunks.
 CHECK_SHAPES = ((1, 3, 77, 40, 24), (2, 2, 130, 64, 96), (3, 2, 1, 128, 128), (1, 2, 333, 256, 32),
                 (1, 2, 1000, 128, 128))

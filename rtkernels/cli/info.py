@@ -7,9 +7,8 @@ import os
 import platform
 from pathlib import Path
 
-from ..env import cupy_version, driver_version, kernel_cache_dir, nvrtc_version_text
+from ..env import cupy_version, driver_version, kernel_cache_dir, nvrtc_version_text, torch_version_text
 from .common import dir_summary, writable
-
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,8 +27,7 @@ def run(args: argparse.Namespace) -> int:
 
     line("rtkernels", f"{rtkernels.__version__} ({Path(rtkernels.__file__).parent})")
     line("python", f"{platform.python_version()} ({platform.system()} {platform.machine()})")
-    line("torch", f"{torch.__version__} (built with CUDA {torch.version.cuda})" if torch.version.cuda
-         else f"{torch.__version__} (CPU-only build)")
+    line("torch", torch_version_text())
     line("CUDA driver", driver_version())
 
     gpus: list[str] = []

@@ -49,7 +49,8 @@ print("JSON" + json.dumps(out))
 
 
 def _child(cache: str) -> dict[str, Any]:
-    env = dict(os.environ, RTKERNELS_CACHE_DIR=cache, CUPY_CACHE_DIR=cache, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, RTKERNELS_CACHE_DIR=cache, CUPY_CACHE_DIR=cache, PYTHONPATH=path)
     from ...methods import METHODS
 
     methods = tuple(name for name, m in METHODS.items() if m.kernel is not None)

@@ -20,9 +20,13 @@ ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def _git_commit() -> str:
+    """The checkout's commit (``git describe --always --dirty``) when rtkernels runs from a checkout;
+    an installed package has none (git would describe whatever repository the environment sits in)."""
     if os.environ.get("RTKERNELS_BENCH_COMMIT"):  # a copy of the tree without its git history
         return os.environ["RTKERNELS_BENCH_COMMIT"]
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[3]  # rtkernels/cli/bench/report.py -> the checkout
+    if not ((root / "pyproject.toml").is_file() and (root / "cuda_src").is_dir()):
+        return "none (an installed package, not a checkout)"
     try:
         return subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or "unknown"
@@ -32,16 +36,16 @@ def _git_commit() -> str:
 
 def environment(device: torch.device, quick: bool) -> dict[str, Any]:
     """Versions, the GPU, and the two limits measured in this run (copy bandwidth, tensor peak)."""
-    from ... import env
+    from ... import env as rtk_env
     from ...jit import sources_hash
 
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
-        "torch": f"{torch.__version__} ({'CUDA ' + torch.version.cuda if torch.version.cuda else 'CPU build'})",
-        "driver": env.driver_version(), "cupy": env.cupy_version() or "not installed",
-        "nvrtc": env.nvrtc_version_text(), "triton": dist_version("triton") or "not installed",
-        "rtkernels": f"{env.VERSION}, sources {sources_hash()}, commit {_git_commit()}",
+        "torch": rtk_env.torch_version_text(),
+        "driver": rtk_env.driver_version(), "cupy": rtk_env.cupy_version() or "not installed",
+        "nvrtc": rtk_env.nvrtc_version_text(), "triton": dist_version("triton") or "not installed",
+        "rtkernels": f"{rtk_env.VERSION}, sources {sources_hash()}, commit {_git_commit()}",
     }
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
