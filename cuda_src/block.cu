@@ -22,7 +22,8 @@ struct rtk_block_smem {
 
 template <int DT, int KMAX, int BV, int C, int NT>
 __global__ void __launch_bounds__(NT)
-rtk_block_fwd(RTK_FWD_PARAMS(typename rtk_io<DT>::T)) {
+rtk_block_fwd(RTK_FWD_POINTERS(typename rtk_io<DT>::T), const __grid_constant__ rtk_fwd_shape p) {
+  RTK_FWD_SHAPE(p);
   RTK_FWD_SIZES;
   typedef rtk_io<DT> io;
   typedef rtk_block_smem<KMAX, BV, C> L;

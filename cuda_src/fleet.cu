@@ -7,12 +7,19 @@
 // the same bits), scales and stores the output in the input dtype and layout.
 #include "include/params.cuh"
 
+// Everything but the two pointers: tiles, sizes, the scale, the output's strides.
+struct rtk_fleet_shape {
+  rtk_i64 tiles, BH, H, N, Dv;
+  double scale;
+  rtk_i64 o_sb, o_sh, o_sn;
+};
+
 template <int DT>
 __global__ void rtk_fleet_reduce(const float* __restrict__ partial,  // [tiles, B*H, N, Dv]
-                                 typename rtk_io<DT>::T* __restrict__ o,
-                                 rtk_i64 tiles, rtk_i64 BH, rtk_i64 H, rtk_i64 N, rtk_i64 Dv,
-                                 double scale_, rtk_i64 o_sb, rtk_i64 o_sh, rtk_i64 o_sn) {
-  const float scale = (float)scale_;
+                                 typename rtk_io<DT>::T* __restrict__ o, const __grid_constant__ rtk_fleet_shape p) {
+  const rtk_i64 tiles = p.tiles, BH = p.BH, H = p.H, N = p.N, Dv = p.Dv;
+  const rtk_i64 o_sb = p.o_sb, o_sh = p.o_sh, o_sn = p.o_sn;
+  const float scale = (float)p.scale;
   const rtk_i64 total = BH * N * Dv;
   const rtk_i64 tile_stride = total;
   for (rtk_i64 e = (rtk_i64)blockIdx.x * blockDim.x + threadIdx.x; e < total;

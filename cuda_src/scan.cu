@@ -20,11 +20,19 @@
 // fp32, so a gamma close to 1 does not drift the way multiplying by a rounded fp32 gamma would.
 #include "include/params.cuh"
 
+// The forward's shape, then the fp32 workspace [gridDim.z, B*H, N, Dv] of per-tile outputs (used
+// when gridDim.z > 1: the rank tiles of the fleet method; written only).
+struct rtk_scan_shape {
+  rtk_fwd_shape f;
+  float* partial;
+};
+
 template <int DT, int KMAX, int BV, int T, int NT>
 __global__ void __launch_bounds__(NT)
-rtk_scan_fwd(RTK_FWD_PARAMS(typename rtk_io<DT>::T),
-             float* __restrict__ partial) {  // [gridDim.z, B*H, N, Dv] fp32 if gridDim.z > 1
+rtk_scan_fwd(RTK_FWD_POINTERS(typename rtk_io<DT>::T), const __grid_constant__ rtk_scan_shape p) {
+  RTK_FWD_SHAPE(p.f);
   RTK_FWD_SIZES;
+  float* __restrict__ partial = p.partial;
   typedef rtk_io<DT> io;
   constexpr int G = NT / BV;        // k-groups
   constexpr int KPT = KMAX / G;     // state rows per thread

@@ -66,3 +66,25 @@ def test_compile_error_names_kernel_and_shows_log():
     msg = str(info.value)
     assert bad in msg and "scan.cu" in msg
     assert "incomplete type" in msg or "error" in msg.lower()
+
+
+def test_python_builds_the_kernel_parameters_in_their_declared_order():
+    """fwd_args gives the seven pointer parameters of RTK_FWD_POINTERS, then the fields of
+    rtk_fwd_shape in the order the header declares them (8 bytes each: ints, the scale a float)."""
+    import re
+
+    import torch
+
+    from rtkernels.decay import LogDecay
+    from rtkernels.methods._launch import FWD_FIELDS, FWD_POINTERS, fwd_args
+
+    text = (source_dir() / "include" / "params.cuh").read_text()
+    macro = re.search(r"#define RTK_FWD_POINTERS\(ELEM\)(.*?)\n\n", text, re.S).group(1)
+    pointers = re.findall(r"\*\s*__restrict__\s+(\w+)", macro)
+    body = re.search(r"struct rtk_fwd_shape \{(.*?)\};", text, re.S).group(1)
+    fields = [name for decl in body.split(";") for name in re.findall(r"(\w+)\s*(?:,|$)", decl.strip())]
+    assert len(pointers) == FWD_POINTERS and tuple(pointers + fields) == FWD_FIELDS
+    x = torch.zeros(2, 3, 5, 4)
+    args = fwd_args(x, x, x, x, LogDecay(x.device, host=(0.0,) * 3), None, None, 0.5)
+    assert len(args) == len(FWD_FIELDS) and args[FWD_FIELDS.index("scale")] == 0.5
+    assert all(type(a) is int for name, a in zip(FWD_FIELDS, args) if name != "scale")

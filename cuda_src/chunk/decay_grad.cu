@@ -170,7 +170,7 @@ __device__ __forceinline__ void rtk_dg_tile(int i, int& r, int& c) {
 
 // Parameters: q, k, v, do ([B, H, N, D] views, unit last stride), log(gamma) [H], the initial
 // state and the gradient of the final state (fp32 contiguous [B, H, Dk, Dv], or null), the
-// partial sums [B, gridDim.y, H]; then sizes, scale and strides as RTK_FWD_PARAMS (do in o's place).
+// partial sums [B, gridDim.y, H]; then the shape struct of the forward kernels (rtk_fwd_shape, do's strides in o's place).
 // Registers: 128 a thread for KMAX <= 128 (two CTAs per multiprocessor: their shared memory fits),
 // no spills; KMAX = 256 takes one CTA per multiprocessor (shared memory) and up to 255.
 template <int DT, int KMAX, int BV, bool VEC>
@@ -178,9 +178,9 @@ __global__ void __launch_bounds__(256, KMAX <= 128 ? 2 : 1)
 rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ k, const rtk_u16* __restrict__ v,
                      const rtk_u16* __restrict__ dout, const float* __restrict__ log_decay,
                      const float* __restrict__ init_state, const float* __restrict__ grad_state,
-                     float* __restrict__ partial, rtk_i64 H_, rtk_i64 N_, rtk_i64 Dk_, rtk_i64 Dv_, double scale_,
-                     rtk_i64 q_sb, rtk_i64 q_sh, rtk_i64 q_sn, rtk_i64 k_sb, rtk_i64 k_sh, rtk_i64 k_sn,
-                     rtk_i64 v_sb, rtk_i64 v_sh, rtk_i64 v_sn, rtk_i64 d_sb, rtk_i64 d_sh, rtk_i64 d_sn) {
+                     float* __restrict__ partial, const __grid_constant__ rtk_fwd_shape p) {
+  RTK_FWD_SHAPE(p);  // do's strides in o's place
+  const rtk_i64 d_sb = o_sb, d_sh = o_sh, d_sn = o_sn;
   RTK_FWD_SIZES;
   typedef rtk_dg_smem<KMAX, BV> L;
   typedef rtk_dg_split<KMAX, BV> P;

@@ -76,8 +76,11 @@ struct rtk_chunk_smem {
 // otherwise each output warp uses mma.sync on its 16 rows.
 template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG>
 __global__ void __launch_bounds__(256, MINB)
-rtk_chunk_fwd(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int mode) {
+rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p) {
+  RTK_FWD_SHAPE(p.f);
   RTK_FWD_SIZES;
+  const rtk_i64 seg_len = p.seg_len;
+  const int mode = (int)p.mode;
   const bool states_only = mode == RTK_MODE_STATES;
   typedef rtk_chunk_smem<KMAX, BV, WG> L;
   // A second CTA barrier per chunk, before the state warps write the next state copy: with one

@@ -72,8 +72,11 @@ template <int NSW> __device__ __forceinline__ void rtk_f32_pieces_wait() {
 
 template <int KMAX, int BV, int STAGES, bool EXACT, bool VEC, int MINB>
 __global__ void __launch_bounds__(rtk_chunk_f32_smem<KMAX, BV, STAGES, EXACT ? 8 : 4>::THREADS, MINB)
-rtk_chunk_fwd_f32(RTK_FWD_PARAMS(float), rtk_i64 seg_len, int states_only) {
+rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_shape p) {
+  RTK_FWD_SHAPE(p.f);
   RTK_FWD_SIZES;
+  const rtk_i64 seg_len = p.seg_len;
+  const int states_only = (int)p.mode;  // RTK_MODE_STATES (1) or RTK_MODE_FUSED (0)
   constexpr int NSW = EXACT ? 8 : 4;  // state warps (see above)
   typedef rtk_chunk_f32_smem<KMAX, BV, STAGES, NSW> L;
   typedef rtk_f32_pieces<BV / 8, NSW> PC;

@@ -7,10 +7,15 @@
 // segments in order: deterministic.
 #include "../include/types.cuh"
 
+// Everything but the five pointers: segments, sizes, the segment and last-segment lengths.
+struct rtk_seg_scan_shape {
+  rtk_i64 nseg, BH, H, DkDv, seg_len, last_len;
+};
+
 __global__ void rtk_chunk_seg_scan(const float* __restrict__ local, float* __restrict__ s_in,
                                    const float* __restrict__ init_state, float* __restrict__ final_state,
-                                   const float* __restrict__ log_decay, rtk_i64 nseg, rtk_i64 BH,
-                                   rtk_i64 H, rtk_i64 DkDv, rtk_i64 seg_len, rtk_i64 last_len) {
+                                   const float* __restrict__ log_decay, const __grid_constant__ rtk_seg_scan_shape p) {
+  const rtk_i64 nseg = p.nseg, BH = p.BH, H = p.H, DkDv = p.DkDv, seg_len = p.seg_len, last_len = p.last_len;
   const rtk_i64 total = BH * DkDv;
   for (rtk_i64 e = (rtk_i64)blockIdx.x * blockDim.x + threadIdx.x; e < total;
        e += (rtk_i64)gridDim.x * blockDim.x) {

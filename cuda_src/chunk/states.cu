@@ -35,8 +35,10 @@ struct rtk_chunk_states_smem {
 
 template <int DT, int KMAX, int BV, bool VEC, int STAGES>
 __global__ void __launch_bounds__(256, 2)
-rtk_chunk_states(RTK_FWD_PARAMS(rtk_u16), rtk_i64 seg_len, int unused) {  // grid.z: segments - 1
+rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p) {  // grid.z: segments - 1
+  RTK_FWD_SHAPE(p.f);
   RTK_FWD_SIZES;
+  const rtk_i64 seg_len = p.seg_len;  // p.mode: unused
   typedef rtk_chunk_states_smem<KMAX, BV, STAGES> L;
   constexpr int C = L::C, KS = L::KS, VS = L::VS;
   constexpr int NT = BV / 16, MT = KMAX / 64;  // a warp's n-tiles (8 columns) and m-tiles (16 rows)

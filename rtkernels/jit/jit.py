@@ -129,15 +129,17 @@ if hasattr(torch._C, "_cuda_getCurrentRawStream"):  # the handle without buildin
 class Kernel:
     """A compiled kernel loaded on one device (the driver module stays loaded while it lives).
 
-    :meth:`launch` packs the arguments into one reusable buffer and calls ``cuLaunchKernel``
-    directly (a Python int goes in as a 64-bit integer, a float as a double: every parameter of
-    rtkernels' kernels is 8 bytes wide, or a 4-byte int read from the low half of its slot).
+    Every rtkernels kernel takes its ``pointers`` pointer parameters, then one struct passed by
+    value whose fields are all 8 bytes wide (``cuda_src/include/params.cuh``). :meth:`launch` packs
+    the argument tuple (the pointers, then the struct's fields in order) into one reusable buffer, a
+    Python int as a 64-bit integer and a float as a double, and hands ``cuLaunchKernel`` one slot
+    per pointer and the rest of the buffer as the struct.
     """
 
     def __init__(self, module: int, function: int, device_index: int):
         self.module, self._ptr, self.device_index = module, function, device_index
         self._launch_kernel = driver.launch_kernel()
-        self._layouts: dict[int, tuple[struct.Struct, Any, int]] = {}
+        self._layouts: dict[tuple[int, int], tuple[struct.Struct, Any, int]] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -159,28 +161,32 @@ class Kernel:
         return {k: driver.func_get_attribute(self._ptr, a) for k, a in attr.items()}
 
     @staticmethod
-    def _layout(args: Sequence[Any]) -> tuple[struct.Struct, Any, int]:
+    def _layout(args: Sequence[Any], pointers: int) -> tuple[struct.Struct, Any, int]:
+        """The packer of ``args``, its buffer, and the kernel-parameter array: one slot per
+        pointer, then the start of the struct (the remaining fields)."""
         import ctypes
 
         fmt = "<" + "".join("d" if isinstance(a, float) else "q" for a in args)
         buf = ctypes.create_string_buffer(8 * len(args))
         base = ctypes.addressof(buf)
-        params = (ctypes.c_void_p * len(args))(*[base + 8 * i for i in range(len(args))])
+        params = (ctypes.c_void_p * (pointers + 1))(*[base + 8 * i for i in range(pointers + 1)])
         return struct.Struct(fmt), (buf, params), ctypes.addressof(params)
 
     def bind(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, device_index: int,
              n_head: int, tail: Sequence[Any]) -> "BoundLaunch":
-        """This kernel with its grid, block, shared memory and every argument after the first
-        ``n_head`` fixed: see :class:`BoundLaunch`."""
+        """This kernel with its grid, block, shared memory and the struct (``tail``) fixed; the
+        ``n_head`` pointer parameters come with each call: see :class:`BoundLaunch`."""
         return BoundLaunch(self, grid, block, shared_mem, device_index, n_head, tuple(tail))
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: Sequence[Any],
-               shared_mem: int, device_index: int) -> None:
+               shared_mem: int, device_index: int, pointers: int) -> None:
+        """Launch on torch's current stream: ``args`` are the ``pointers`` pointer parameters,
+        then the fields of the kernel's struct parameter."""
         stream = _raw_stream(device_index)
         with self._lock:
-            layout = self._layouts.get(len(args))
+            layout = self._layouts.get((len(args), pointers))
             if layout is None:
-                layout = self._layouts[len(args)] = self._layout(args)
+                layout = self._layouts[(len(args), pointers)] = self._layout(args, pointers)
             packer, (buf, _), params_ptr = layout
             packer.pack_into(buf, 0, *args)
             status = self._launch_kernel(self._ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
@@ -194,10 +200,10 @@ class Kernel:
 
 
 class BoundLaunch:
-    """A launch of one kernel whose grid, block, shared memory and trailing arguments are fixed:
-    ``bound(*head)`` launches it on torch's current stream with the ``n_head`` leading arguments
-    (Python ints: pointers). The trailing arguments are packed once into a parameter buffer owned
-    by this object, so a call packs only the head (the host path of a cached API call)."""
+    """A launch of one kernel whose grid, block, shared memory and struct parameter are fixed:
+    ``bound(*head)`` launches it on torch's current stream with its ``n_head`` pointer parameters
+    (Python ints). The struct is packed once into a parameter buffer owned by this object, so a
+    call packs only the pointers (the host path of a cached API call)."""
 
     __slots__ = ("kernel", "grid", "block", "shared_mem", "dev", "n_head", "tail", "_head", "_buf", "_params",
                  "_lock")
@@ -207,14 +213,15 @@ class BoundLaunch:
         self.kernel, self.grid, self.block, self.shared_mem = kernel, grid, block, shared_mem
         self.dev, self.n_head, self.tail = device_index, n_head, tail
         self._lock = threading.Lock()
-        packer, (buf, params), self._params = Kernel._layout((0,) * n_head + tail)
+        packer, (buf, params), self._params = Kernel._layout((0,) * n_head + tail, n_head)
         packer.pack_into(buf, 0, *((0,) * n_head), *tail)
         self._buf, self._head = (buf, params), struct.Struct(f"<{n_head}q")
 
     def __call__(self, *head: int) -> None:
         k = self.kernel
         if torch._C._cuda_getDevice() != self.dev:
-            launch(k, self.grid, self.block, (*head, *self.tail), self.dev, shared_mem=self.shared_mem)
+            launch(k, self.grid, self.block, (*head, *self.tail), self.dev, shared_mem=self.shared_mem,
+                   pointers=self.n_head)
             return
         g, b = self.grid, self.block
         stream = _raw_stream(self.dev)
@@ -231,10 +238,11 @@ class BoundLaunch:
 
 
 def launch(fn: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int],
-           args: Sequence[Any], device_index: int, shared_mem: int = 0) -> None:
-    """Launch ``fn`` on torch's current stream of ``device_index`` (asynchronous)."""
+           args: Sequence[Any], device_index: int, shared_mem: int = 0, *, pointers: int) -> None:
+    """Launch ``fn`` on torch's current stream of ``device_index`` (asynchronous): ``args`` are
+    its ``pointers`` pointer parameters, then the fields of its struct parameter."""
     if torch.cuda.current_device() == device_index:
-        fn.launch(grid, block, args, shared_mem, device_index)
+        fn.launch(grid, block, args, shared_mem, device_index, pointers)
         return
     with torch.cuda.device(device_index):  # the device's primary context current for the launch
-        fn.launch(grid, block, args, shared_mem, device_index)
+        fn.launch(grid, block, args, shared_mem, device_index, pointers)

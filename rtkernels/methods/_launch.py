@@ -1,9 +1,10 @@
-"""What every forward kernel launch shares: operand preparation and the common arguments.
+"""What every forward kernel launch shares: operand preparation and the kernels' parameters.
 
-The kernels take ``RTK_FWD_PARAMS`` (``cuda_src/include/params.cuh``) first: seven pointers, then
-H, N, Dk, Dv as 64-bit integers and the scale as a double, then the (batch, head, token) element
-strides of q, k, v and o. Plain Python ints and floats are passed, so building the arguments
-allocates nothing but the tuple.
+A forward kernel takes its seven pointers as ``__restrict__`` parameters, then one struct,
+``rtk_fwd_shape`` (``cuda_src/include/params.cuh``; the chunk and scan kernels' structs embed it
+first): H, N, Dk, Dv as 64-bit integers, the scale as a double, then the (batch, head, token)
+element strides of q, k, v and o. :data:`FWD_FIELDS` names both in order and :func:`fwd_args`
+builds them, here only: plain Python ints and floats that the launcher packs.
 
 Reversed token order (``reverse=True``): the kernels address row n of every operand as
 ``pointer + n * token_stride`` with signed 64-bit strides, so the tensors read (and the output
@@ -19,7 +20,14 @@ import torch
 
 from ..decay import LogDecay
 
-__all__ = ["operands", "unit_stride", "fwd_args", "fwd_tail", "row_address"]
+__all__ = ["FWD_FIELDS", "FWD_POINTERS", "operands", "unit_stride", "fwd_args", "fwd_tail", "row_address"]
+
+#: The pointer parameters of a forward kernel, then the fields of ``rtk_fwd_shape`` (a test holds
+#: them against the C sources).
+FWD_FIELDS = ("q", "k", "v", "o", "log_decay", "init_state", "final_state", "H", "N", "Dk", "Dv", "scale",
+              "q_sb", "q_sh", "q_sn", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn", "o_sb", "o_sh", "o_sn")
+#: How many of :data:`FWD_FIELDS` are pointer parameters (the rest is the struct).
+FWD_POINTERS = 7
 
 
 def operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, initial_state: Optional[torch.Tensor],
@@ -49,8 +57,8 @@ def row_address(x: torch.Tensor, reverse: bool = False) -> int:
 
 def fwd_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float,
              reverse: bool = False) -> tuple:
-    """The ``RTK_FWD_PARAMS`` arguments after the seven pointers: sizes, scale and strides (token
-    strides negated with ``reverse``)."""
+    """The fields of ``rtk_fwd_shape``: sizes, scale and strides (token strides negated with
+    ``reverse``)."""
     _, h, n, dk = q.shape
     sgn = -1 if reverse else 1
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
@@ -60,7 +68,7 @@ def fwd_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tenso
 
 def fwd_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, log_decay: LogDecay,
              s0: Optional[torch.Tensor], final: Optional[torch.Tensor], scale: float) -> tuple:
-    """The ``RTK_FWD_PARAMS`` argument tuple, in token order (a reversed launch plans its
+    """The pointers and ``rtk_fwd_shape`` fields (:data:`FWD_FIELDS`), in token order (a reversed launch plans its
     pointers with :func:`row_address` and its strides with :func:`fwd_tail`)."""
     return (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), log_decay.tensor(torch.float32).data_ptr(),
             0 if s0 is None else s0.data_ptr(), 0 if final is None else final.data_ptr(),

@@ -25,7 +25,7 @@ import functools
 from ..autotune.answers import tuned_config
 from ..autotune.space import Config, Limits, Problem, Space
 from ..jit import dtype_code, get_function, launch
-from ._launch import fwd_args, operands
+from ._launch import FWD_POINTERS, fwd_args, operands
 from ._torch_common import inter_chunk, intra_chunk, state_update, zero_state
 from .scan import MAX_DIM, kernel_supports  # noqa: F401  (same limits as the scan kernel)
 
@@ -115,5 +115,5 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     name, bv, smem, nt = _launch_config(q.dtype, dk, dv, tuned_config("block", dev, q.dtype, b * h, n, dk, dv) or None)
     fn = get_function(SOURCE, name, dev, dynamic_smem=smem)
     launch(fn, (b * h, -(-dv // bv), 1), (nt, 1, 1), fwd_args(q, k, v, out, log_decay, s0, final, scale),
-           dev, shared_mem=smem)
+           dev, shared_mem=smem, pointers=FWD_POINTERS)
     return final

@@ -102,5 +102,5 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
         total = bh * n * dv
         blocks = min(-(-total // 256), 65535)
         args = (partial.data_ptr(), out.data_ptr(), tiles, bh, q.shape[1], n, dv, scale, *out.stride()[:3])
-        launch(fn, (blocks, 1, 1), (256, 1, 1), args, dev)
+        launch(fn, (blocks, 1, 1), (256, 1, 1), args, dev, pointers=2)  # partial, out; then rtk_fleet_shape
     return final

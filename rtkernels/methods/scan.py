@@ -21,7 +21,7 @@ from ..decay import LogDecay
 from ..autotune.answers import tuned_config
 from ..autotune.space import Config, Limits, Problem, Space
 from ..jit import dtype_code, get_function, launch
-from ._launch import fwd_args, operands
+from ._launch import FWD_POINTERS, fwd_args, operands
 from ._torch_common import zero_state
 
 SOURCE = "scan.cu"
@@ -121,7 +121,7 @@ def launch_state_scan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_dec
     fn = get_function(SOURCE, name, dev)
     partial = torch.empty(tiles, b * h, n, dv, dtype=torch.float32, device=q.device) if tiles > 1 else None
     args = (*fwd_args(q, k, v, out, log_decay, s0, final, scale), 0 if partial is None else partial.data_ptr())
-    launch(fn, (b * h, -(-dv // bv), tiles), (nt, 1, 1), args, dev)
+    launch(fn, (b * h, -(-dv // bv), tiles), (nt, 1, 1), args, dev, pointers=FWD_POINTERS)
     return partial, final
 
 

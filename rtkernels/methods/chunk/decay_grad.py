@@ -110,7 +110,7 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_out.data_ptr(), lg.data_ptr(),
             0 if s0 is None else s0.data_ptr(), 0 if g is None else g.data_ptr(), partial.data_ptr(),
             *fwd_tail(q, k, v, grad_out, float(scale)))
-    launch(fn, (b * h, tiles, 1), (256, 1, 1), args, dev, shared_mem=smem)
+    launch(fn, (b * h, tiles, 1), (256, 1, 1), args, dev, shared_mem=smem, pointers=8)  # then rtk_fwd_shape
     return partial.sum(dim=(0, 1), dtype=torch.float64).to(torch.float32)
 
 

@@ -12,7 +12,7 @@ from ...autotune.keys import dtype_name
 from ...autotune.space import Limits, Problem
 from ...decay import LogDecay
 from ...jit import get_function
-from .._launch import fwd_tail, row_address, unit_stride
+from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
 from .plan import (CHUNK_KERNEL, MODE_FOLD, MODE_FUSED, MODE_STATES, SEG_SCAN_SOURCE, STATES_SOURCE, _sm_count,
                    _smem_limit, aligned, current_overrides, plan_launch, states_config, states_name, states_smem_bytes,
                    tuned_launch)
@@ -59,7 +59,7 @@ class ChunkLaunch:
         # the split strategy with the dedicated states kernel: its slots, then the fused pass folding them
         fold = nseg > 1 and q.dtype != torch.float32 and over.dedicated_states
         # head: q, k, v, out, log-decay, initial state, final state pointers
-        self.fused = fn.bind(grid, block, smem, dev, 7, (*tail, seg_len, MODE_FOLD if fold else MODE_FUSED))
+        self.fused = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, MODE_FOLD if fold else MODE_FUSED))
         self.device = q.device
         self.lg = log_decay.tensor(torch.float32)  # kept: the kernel reads it through a raw pointer
         self.lg_ptr = self.lg.data_ptr()
@@ -70,9 +70,9 @@ class ChunkLaunch:
             sc = states_config(q.dtype, dk, dv, vec, _smem_limit(dev))
             ssmem = states_smem_bytes(sc[1], sc[2], sc[4])
             sfn = get_function(STATES_SOURCE, states_name(sc), dev, dynamic_smem=ssmem)
-            self.states = sfn.bind((bh, -(-dv // sc[2]), nseg - 1), block, ssmem, dev, 7, (*tail, seg_len, 0))
+            self.states = sfn.bind((bh, -(-dv // sc[2]), nseg - 1), block, ssmem, dev, FWD_POINTERS, (*tail, seg_len, 0))
         elif nseg > 1:  # the fused kernel's states-only mode and the scan kernel
-            self.states = fn.bind(grid, block, smem, dev, 7, (*tail, seg_len, MODE_STATES))
+            self.states = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, MODE_STATES))
             total = bh * dk * dv
             # head: segment states, entering states, initial state, final state, log-decay pointers
             self.scan = get_function(SEG_SCAN_SOURCE, "rtk_chunk_seg_scan", dev).bind(
