@@ -44,7 +44,7 @@ rtk_block_fwd(RTK_FWD_POINTERS(typename rtk_io<DT>::T), const __grid_constant__ 
   const int tid = threadIdx.x;
   const int c = tid % BV, tg = tid / BV;
   const int col = v0 + c;
-  const float lg = log_decay[h];
+  const float lg = rtk_head_log_decay(decay, decay_mode, h);
 
   const rtk_strides qs = {q_sb, q_sh, q_sn}, ks = {k_sb, k_sh, k_sn};
   const rtk_strides vs = {v_sb, v_sh, v_sn}, os = {o_sb, o_sh, o_sn};

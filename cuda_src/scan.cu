@@ -62,7 +62,7 @@ rtk_scan_fwd(RTK_FWD_POINTERS(typename rtk_io<DT>::T), const __grid_constant__ r
   const typename io::T* vb = v + rtk_offset(vs, b, h, 0);
   typename io::T* ob = o + rtk_offset(os, b, h, 0);
 
-  const float dm1 = expm1f(log_decay[h]);  // gamma - 1, exact enough in fp32
+  const float dm1 = expm1f(rtk_head_log_decay(decay, decay_mode, h));  // gamma - 1, exact enough in fp32
 
   float S[KPT];
   #pragma unroll

@@ -6,6 +6,7 @@
 import sys as _sys
 
 from .api import DTYPES, LAYOUTS, METHOD_NAMES, causal_linear_attention
+from .decay import set_strict_decay
 from .env import VERSION as __version__
 from .methods import METHODS
 from .methods.chunk import backward as _chunk_backward  # puts the kernel backward first in BACKWARD_IMPLS
@@ -16,4 +17,5 @@ from .methods.chunk import decay_grad as _chunk_decay_grad
 kernel_backward = _sys.modules[f"{__name__}.kernel_backward"] = _chunk_backward
 decay_grad = _sys.modules[f"{__name__}.decay_grad"] = _chunk_decay_grad
 
-__all__ = ["causal_linear_attention", "METHODS", "METHOD_NAMES", "LAYOUTS", "DTYPES", "__version__"]
+__all__ = ["causal_linear_attention", "set_strict_decay", "METHODS", "METHOD_NAMES", "LAYOUTS", "DTYPES",
+           "__version__"]

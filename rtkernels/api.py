@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from .autograd import attention_with_grad, needs_grad, track_decay
-from .decay import LogDecay
+from . import decay as _decay
+from .decay import KIND_FACTOR, KIND_RATE, LogDecay
 from . import call_cache
 from .methods import METHODS, auto_method, run_method
 from .jit.dtypes import compute_dtype
@@ -135,11 +136,13 @@ def _check_factor_or_rate(value: Any, name: str, h: int, device: torch.device) -
                 _host_logs.clear()
             _host_logs[(is_rate, values)] = logs
         return LogDecay(device, host=logs)
-    t = t.to(torch.float64)
-    good = (t >= 0) & (t < math.inf) if is_rate else (t > 0) & (t <= 1)
-    if not bool(good.all()):  # the one host sync of a CUDA decay tensor
-        raise ValueError(f"{name} must hold {expect} per head, got {t[~good][0].item()}")
-    return LogDecay(device, device_values=-t if is_rate else torch.log(t))
+    if _decay.strict():  # opt-in: the range check on the host, one sync
+        x = t.to(torch.float64)
+        good = (x >= 0) & (x < math.inf) if is_rate else (x > 0) & (x <= 1)
+        if not bool(good.all()):
+            raise ValueError(f"{name} must hold {expect} per head, got {x[~good][0].item()}")
+    # read where it is: an invalid value makes that head's outputs NaN (rtkernels.decay)
+    return LogDecay(device, raw=t, kind=KIND_RATE if is_rate else KIND_FACTOR)
 
 
 def _log_decay(decay: Any, decay_rate: Any, h: int, device: torch.device) -> LogDecay:
@@ -197,8 +200,11 @@ def causal_linear_attention(
             torch tensors in give a torch tensor out; CUDA arrays (CuPy) in give a CuPy array out.
             dtype float64, float32, float16 or bfloat16, the same for all three; one device.
         decay: None (gamma = 1, no decay), a float gamma in (0, 1], or a ``[H]`` tensor of
-            factors: ``M[i, j] = gamma ** (i - j)``. A CUDA tensor costs one device sync for the
-            range check; a float or CPU tensor costs none.
+            factors (any float dtype and stride): ``M[i, j] = gamma ** (i - j)``. A float or a
+            CPU tensor is checked on the host (``ValueError``). A CUDA tensor is read where it
+            is, with no host sync and no copy (a CUDA graph can capture the call): a value
+            outside (0, 1] or NaN makes that head's outputs and state NaN instead of raising;
+            :func:`set_strict_decay` restores the check (one sync per call).
         decay_rate: the same as rates r >= 0: ``M[i, j] = exp(-r (i - j))``. Not with ``decay``.
         scale: multiplies the output.
         method: ``"vanilla"``, ``"recursion"``, ``"block"``, ``"fleet"``, ``"scan"``, ``"chunk"``
@@ -235,7 +241,9 @@ def causal_linear_attention(
         hit = call_cache.lookup(key)
         if hit is not None:
             out = torch.empty_like(v) if hit.like_v else torch.empty(hit.out_shape, dtype=hit.dtype, device=hit.device)
-            state = hit.launcher(q, k, v, out, initial_state)
+            # a CUDA decay tensor is read where it is: the launch takes its pointer
+            state = hit.launcher(q, k, v, out, initial_state,
+                                 (decay if decay_rate is None else decay_rate) if hit.device_decay else None)
             return (out, state) if return_state else out
     qt, kt, vt, kind = _check_inputs(q, k, v, layout)
     if not _is_number(scale):
@@ -281,7 +289,7 @@ def causal_linear_attention(
             launcher = m.kernel_prepare(qt, kt, vt, log_decay, scale, out_view, return_state,
                                         fp32_precision=fp32_precision)
             state = launcher(qt, kt, vt, out_view, s0)
-            call_cache.remember(key, launcher, out, v, decay, decay_rate)
+            call_cache.remember(key, launcher, out, v, log_decay.raw is not None)
         else:
             state = run_method(name, qt, kt, vt, log_decay, scale, out_view, s0, return_state,
                                fp32_precision=fp32_precision)

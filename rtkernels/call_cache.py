@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from .decay import strict
 from .methods import plan_epoch
 
 __all__ = ["call_key", "lookup", "remember", "clear", "size", "CachedCall"]
@@ -24,25 +25,29 @@ _NO_KEY = object()
 class CachedCall:
     """A planned launch and how to allocate its output."""
 
-    __slots__ = ("launcher", "out_shape", "dtype", "device", "like_v", "pins")
+    __slots__ = ("launcher", "out_shape", "dtype", "device", "like_v", "device_decay")
 
-    def __init__(self, launcher: Any, out: torch.Tensor, like_v: bool, pins: tuple):
+    def __init__(self, launcher: Any, out: torch.Tensor, like_v: bool, device_decay: bool):
         self.launcher, self.out_shape, self.dtype, self.device = launcher, tuple(out.shape), out.dtype, out.device
         self.like_v = like_v  # v is contiguous, so torch.empty_like(v) is the output (the cheaper call)
-        self.pins = pins  # host decay tensors whose id() is part of the key: kept alive, so ids stay unique
+        self.device_decay = device_decay  # the decay is a CUDA tensor: each call passes its own
 
 
-def _decay_key(x: Any) -> Any:
-    """The signature of a decay argument, or _NO_KEY (a CUDA tensor, which is checked on the device
-    every call; one that requires grad; a CuPy array)."""
+def _decay_key(x: Any, grad: bool) -> Any:
+    """The signature of a decay argument, or _NO_KEY (one that requires grad in grad mode, a CUDA
+    tensor while strict checks are on, a CuPy array)."""
     if x is None:
         return None
     tp = type(x)
     if tp is float or tp is int:
         return (tp, x)
-    if tp is _Tensor and not x.is_cuda and not x.requires_grad:
-        return (id(x), x._version)  # a CPU tensor: its values are those checked while _version holds
-    return _NO_KEY
+    if tp is not _Tensor or (grad and x.requires_grad):
+        return _NO_KEY
+    if x.is_cuda:  # read by the kernel where it is: its layout, not its values, shapes the launch
+        return _NO_KEY if strict() else ("cuda", x.dtype, x.shape, x.stride(), x.get_device())
+    # a CPU tensor: by value (the checks and the cached log tensor depend on the values; a write
+    # through .data or .numpy() leaves _version unchanged)
+    return ("cpu", x.dtype, x.shape, tuple(x.tolist()))
 
 
 def call_key(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, method: Any, layout: Any,
@@ -63,7 +68,7 @@ def call_key(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, me
     grad = torch.is_grad_enabled()
     if grad and (q.requires_grad or k.requires_grad or v.requires_grad):
         return None
-    dk, dr = _decay_key(decay), _decay_key(decay_rate)
+    dk, dr = _decay_key(decay, grad), _decay_key(decay_rate, grad)
     if dk is _NO_KEY or dr is _NO_KEY:
         return None
     if initial_state is None:
@@ -77,13 +82,11 @@ def call_key(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, me
             dk, dr, type(scale), scale, method, layout, sk, return_state, fp32_precision, plan_epoch())
 
 
-def remember(key: tuple, launcher: Any, out: torch.Tensor, v: torch.Tensor, decay: Any, decay_rate: Any) -> None:
+def remember(key: tuple, launcher: Any, out: torch.Tensor, v: torch.Tensor, device_decay: bool) -> None:
+    """Cache ``launcher`` under ``key``; ``device_decay``: it was planned for a CUDA decay tensor."""
     if len(_calls) >= _MAX:
         _calls.clear()
-    pins = tuple(x for x in (decay, decay_rate) if isinstance(x, _Tensor))
-    _calls[key] = CachedCall(launcher, out, v.is_contiguous() and v.shape == out.shape, pins)
-
-
+    _calls[key] = CachedCall(launcher, out, v.is_contiguous() and v.shape == out.shape, device_decay)
 
 
 def lookup(key: tuple) -> Optional[CachedCall]:

@@ -14,7 +14,7 @@
   const bool out_warp = warp < 4;                                                                 \
   const int bh = blockIdx.x, b = bh / H, h = bh - b * H;                                          \
   const int v0 = blockIdx.y * BV;                                                                 \
-  const float lg2 = log_decay[h] * 1.4426950408889634f; /* log2(gamma) */                         \
+  const float lg2 = rtk_head_log_decay(decay, decay_mode, h) * 1.4426950408889634f; /* log2(gamma) */ \
   const rtk_strides qs = {q_sb, q_sh, q_sn}, ks = {k_sb, k_sh, k_sn};                             \
   const rtk_strides vs = {v_sb, v_sh, v_sn}, os = {o_sb, o_sh, o_sn};                             \
   const rtk_i64 n_begin = (rtk_i64)blockIdx.z * seg_len;                                          \

@@ -168,7 +168,7 @@ __device__ __forceinline__ void rtk_dg_tile(int i, int& r, int& c) {
   c = i - r * (r + 1) / 2;
 }
 
-// Parameters: q, k, v, do ([B, H, N, D] views, unit last stride), log(gamma) [H], the initial
+// Parameters: q, k, v, do ([B, H, N, D] views, unit last stride), the decay argument, the initial
 // state and the gradient of the final state (fp32 contiguous [B, H, Dk, Dv], or null), the
 // partial sums [B, gridDim.y, H]; then the shape struct of the forward kernels (rtk_fwd_shape, do's strides in o's place).
 // Registers: 128 a thread for KMAX <= 128 (two CTAs per multiprocessor: their shared memory fits),
@@ -176,7 +176,7 @@ __device__ __forceinline__ void rtk_dg_tile(int i, int& r, int& c) {
 template <int DT, int KMAX, int BV, bool VEC>
 __global__ void __launch_bounds__(256, KMAX <= 128 ? 2 : 1)
 rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ k, const rtk_u16* __restrict__ v,
-                     const rtk_u16* __restrict__ dout, const float* __restrict__ log_decay,
+                     const rtk_u16* __restrict__ dout, const void* __restrict__ decay,
                      const float* __restrict__ init_state, const float* __restrict__ grad_state,
                      float* __restrict__ partial, const __grid_constant__ rtk_fwd_shape p) {
   RTK_FWD_SHAPE(p);  // do's strides in o's place
@@ -197,8 +197,7 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
   const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
   const int v0 = blockIdx.y * BV;
   const int dv_here = min(BV, Dv - v0);
-  const float lgf = log_decay[h];
-  const float lg2 = lgf * 1.4426950408889634f;  // log2(gamma)
+  const float lg2 = rtk_head_log_decay(decay, decay_mode, h) * 1.4426950408889634f;  // log2(gamma)
   const rtk_u16* qb = q + (rtk_i64)b * q_sb + (rtk_i64)h * q_sh;
   const rtk_u16* kb = k + (rtk_i64)b * k_sb + (rtk_i64)h * k_sh;
   const rtk_u16* vb = v + (rtk_i64)b * v_sb + (rtk_i64)h * v_sh + v0;
@@ -297,8 +296,9 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
 
     // ---- state part ------------------------------------------------------------------------------
     if (state_live) {
-      // gamma^L in fp64 (its rounding compounds over the chunks), from log_decay again (a register less)
-      const float carry = (float)exp((double)log_decay[h] * (double)len);
+      // gamma^L in fp64 (its rounding compounds over the chunks), from lg2 (a register less than
+      // keeping log(gamma); lg2's rounding moves gamma^L by at most |L log gamma| * 6e-8, relative)
+      const float carry = (float)exp2((double)lg2 * (double)len);
       const float n1 = rtk_exp2(log2n1), fl = (float)len;
       // per group of NTG n-tiles (a scratch fragment T of that width keeps the registers down)
       #pragma unroll

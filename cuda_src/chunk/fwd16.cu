@@ -364,7 +364,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     const int sr0 = (warp - 4) * MT * 16;  // first state row of a state warp
     float s_acc[MT][NT][4];
     const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, mode == RTK_MODE_FOLD ? 0 : state_slot};
-    if (mode == RTK_MODE_FOLD) sf.fold(s_acc, init_state, log_decay[h], seg_len, gridDim.x);
+    if (mode == RTK_MODE_FOLD) sf.fold(s_acc, init_state, rtk_head_log_decay(decay, decay_mode, h), seg_len, gridDim.x);
     else sf.load(s_acc, init_state);
     auto publish_max = [&](int slot) {  // fp16
       if (DT != RTK_F16) return;

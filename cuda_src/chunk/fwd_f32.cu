@@ -96,7 +96,7 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
   float4* const sP = reinterpret_cast<float4*>(sm + L::P);  // pieces: [slot][n-tile][lane], 4 floats
 
   RTK_CHUNK_CTA(float, 3);  // k-steps of 8 columns
-  const float lgd = log_decay[h];  // log(gamma)
+  const float lgd = rtk_head_log_decay(decay, decay_mode, h);  // log(gamma)
 
   typedef rtk_chunk_loader<float, KMAX, BV, LT> LD;
   const LD ld(tid - 128, Dk, dv_here, qb, kb, vb, q_sn, k_sn, v_sn);

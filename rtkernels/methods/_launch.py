@@ -3,8 +3,9 @@
 A forward kernel takes its seven pointers as ``__restrict__`` parameters, then one struct,
 ``rtk_fwd_shape`` (``cuda_src/include/params.cuh``; the chunk and scan kernels' structs embed it
 first): H, N, Dk, Dv as 64-bit integers, the scale as a double, then the (batch, head, token)
-element strides of q, k, v and o. :data:`FWD_FIELDS` names both in order and :func:`fwd_args`
-builds them, here only: plain Python ints and floats that the launcher packs.
+element strides of q, k, v and o, and the ``decay_mode`` that says how to read the decay pointer
+(:meth:`rtkernels.decay.LogDecay.kernel_arg`). :data:`FWD_FIELDS` names both in order and
+:func:`fwd_args` builds them, here only: plain Python ints and floats that the launcher packs.
 
 Reversed token order (``reverse=True``): the kernels address row n of every operand as
 ``pointer + n * token_stride`` with signed 64-bit strides, so the tensors read (and the output
@@ -24,8 +25,9 @@ __all__ = ["FWD_FIELDS", "FWD_POINTERS", "operands", "unit_stride", "fwd_args", 
 
 #: The pointer parameters of a forward kernel, then the fields of ``rtk_fwd_shape`` (a test holds
 #: them against the C sources).
-FWD_FIELDS = ("q", "k", "v", "o", "log_decay", "init_state", "final_state", "H", "N", "Dk", "Dv", "scale",
-              "q_sb", "q_sh", "q_sn", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn", "o_sb", "o_sh", "o_sn")
+FWD_FIELDS = ("q", "k", "v", "o", "decay", "init_state", "final_state", "H", "N", "Dk", "Dv", "scale",
+              "q_sb", "q_sh", "q_sn", "k_sb", "k_sh", "k_sn", "v_sb", "v_sh", "v_sn", "o_sb", "o_sh", "o_sn",
+              "decay_mode")
 #: How many of :data:`FWD_FIELDS` are pointer parameters (the rest is the struct).
 FWD_POINTERS = 7
 
@@ -56,20 +58,21 @@ def row_address(x: torch.Tensor, reverse: bool = False) -> int:
 
 
 def fwd_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float,
-             reverse: bool = False) -> tuple:
-    """The fields of ``rtk_fwd_shape``: sizes, scale and strides (token strides negated with
-    ``reverse``)."""
+             decay_mode: int, reverse: bool = False) -> tuple:
+    """The fields of ``rtk_fwd_shape``: sizes, scale, strides (token strides negated with
+    ``reverse``) and how to read the decay argument (:meth:`LogDecay.kernel_arg`)."""
     _, h, n, dk = q.shape
     sgn = -1 if reverse else 1
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), out.stride()
     return (h, n, dk, v.shape[3], scale, qs[0], qs[1], sgn * qs[2], ks[0], ks[1], sgn * ks[2],
-            vs[0], vs[1], sgn * vs[2], os_[0], os_[1], sgn * os_[2])
+            vs[0], vs[1], sgn * vs[2], os_[0], os_[1], sgn * os_[2], decay_mode)
 
 
 def fwd_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, log_decay: LogDecay,
              s0: Optional[torch.Tensor], final: Optional[torch.Tensor], scale: float) -> tuple:
     """The pointers and ``rtk_fwd_shape`` fields (:data:`FWD_FIELDS`), in token order (a reversed launch plans its
     pointers with :func:`row_address` and its strides with :func:`fwd_tail`)."""
-    return (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), log_decay.tensor(torch.float32).data_ptr(),
+    decay, mode = log_decay.kernel_arg()
+    return (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), decay,
             0 if s0 is None else s0.data_ptr(), 0 if final is None else final.data_ptr(),
-            *fwd_tail(q, k, v, out, scale))
+            *fwd_tail(q, k, v, out, scale, mode))

@@ -105,11 +105,11 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     fn = get_function(SOURCE, name, dev, dynamic_smem=smem)
     tiles = -(-dv // bv)
     s0, g = (None if x is None else x.to(torch.float32).contiguous() for x in (initial_state, grad_state))
-    lg = log_decay.tensor(torch.float32)
+    decay, mode = log_decay.kernel_arg()
     partial = torch.empty(b, tiles, h, dtype=torch.float32, device=q.device)
-    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_out.data_ptr(), lg.data_ptr(),
+    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_out.data_ptr(), decay,
             0 if s0 is None else s0.data_ptr(), 0 if g is None else g.data_ptr(), partial.data_ptr(),
-            *fwd_tail(q, k, v, grad_out, float(scale)))
+            *fwd_tail(q, k, v, grad_out, float(scale), mode))
     launch(fn, (b * h, tiles, 1), (256, 1, 1), args, dev, shared_mem=smem, pointers=8)  # then rtk_fwd_shape
     return partial.sum(dim=(0, 1), dtype=torch.float64).to(torch.float32)
 

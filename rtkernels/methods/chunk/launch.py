@@ -31,7 +31,7 @@ class ChunkLaunch:
     (two with the fused kernel's states-only mode: fp32 inputs, or ``Overrides.dedicated_states`` False).
     """
 
-    __slots__ = ("fused", "states", "scan", "device", "lg", "lg_ptr", "nseg", "state_shape", "need_state",
+    __slots__ = ("fused", "states", "scan", "device", "log_decay", "decay_ptr", "nseg", "state_shape", "need_state",
                  "offsets")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
@@ -55,14 +55,14 @@ class ChunkLaunch:
         seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
         self.nseg = nseg = -(-n // seg_len)
         fn = get_function(lp.source, name, dev, extra_options=opts, dynamic_smem=smem)
-        grid, block, tail = (bh, -(-dv // bv), nseg), (threads, 1, 1), fwd_tail(q, k, v, out, scale, reverse)
+        self.log_decay = log_decay  # keeps the tensor the kernels read alive
+        self.decay_ptr, mode = log_decay.kernel_arg()
+        grid, block, tail = (bh, -(-dv // bv), nseg), (threads, 1, 1), fwd_tail(q, k, v, out, scale, mode, reverse)
         # the split strategy with the dedicated states kernel: its slots, then the fused pass folding them
         fold = nseg > 1 and q.dtype != torch.float32 and over.dedicated_states
         # head: q, k, v, out, log-decay, initial state, final state pointers
         self.fused = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, MODE_FOLD if fold else MODE_FUSED))
         self.device = q.device
-        self.lg = log_decay.tensor(torch.float32)  # kept: the kernel reads it through a raw pointer
-        self.lg_ptr = self.lg.data_ptr()
         self.need_state = need_state
         self.state_shape = (b, h, dk, dv)
         self.scan = None
@@ -77,10 +77,12 @@ class ChunkLaunch:
             # head: segment states, entering states, initial state, final state, log-decay pointers
             self.scan = get_function(SEG_SCAN_SOURCE, "rtk_chunk_seg_scan", dev).bind(
                 (min(-(-total // 256), 4096), 1, 1), (256, 1, 1), 0, dev, 5,
-                (nseg, bh, h, dk * dv, seg_len, n - (nseg - 1) * seg_len))
+                (nseg, bh, h, dk * dv, seg_len, n - (nseg - 1) * seg_len, mode))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 initial_state: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                 initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Launch on new tensors; ``decay``: a CUDA decay tensor of the planned dtype and stride in
+        place of the planned one (the cached call's), or None."""
         s0 = initial_state
         if s0 is not None and (s0.dtype != torch.float32 or not s0.is_contiguous()):
             s0 = s0.to(torch.float32).contiguous()
@@ -88,26 +90,27 @@ class ChunkLaunch:
         final = torch.empty(self.state_shape, dtype=torch.float32, device=self.device) if self.need_state else None
         fp = 0 if final is None else final.data_ptr()
         qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        dp = self.decay_ptr if decay is None else decay.data_ptr()
         if self.offsets is not None:
             oq, ok, ov, oo = self.offsets
             qp, kp, vp, op = qp + oq, kp + ok, vp + ov, op + oo
         if self.nseg == 1:
-            self.fused(qp, kp, vp, op, self.lg_ptr, s0p, fp)
+            self.fused(qp, kp, vp, op, dp, s0p, fp)
             return final
         local = torch.empty((self.nseg, *self.state_shape), dtype=torch.float32, device=self.device)
         if self.scan is None:
             # split sequence, rtk_chunk_states: the initial state and the state each segment but the
             # last ends with in the slots of ``local``; the fused pass folds them into each
             # segment's entering state, and its last segment stores the final state
-            self.states(qp, kp, vp, op, self.lg_ptr, s0p, local.data_ptr())
-            self.fused(qp, kp, vp, op, self.lg_ptr, local.data_ptr(), fp)
+            self.states(qp, kp, vp, op, dp, s0p, local.data_ptr())
+            self.fused(qp, kp, vp, op, dp, local.data_ptr(), fp)
             return final
         # split sequence: each segment's own state (no initial state), the scan over the segments'
         # states, then the fused pass of each segment from its entering state
         s_in = torch.empty_like(local)
-        self.states(qp, kp, vp, op, self.lg_ptr, 0, local.data_ptr())
-        self.scan(local.data_ptr(), s_in.data_ptr(), s0p, fp, self.lg_ptr)
-        self.fused(qp, kp, vp, op, self.lg_ptr, s_in.data_ptr(), 0)
+        self.states(qp, kp, vp, op, dp, 0, local.data_ptr())
+        self.scan(local.data_ptr(), s_in.data_ptr(), s0p, fp, dp)
+        self.fused(qp, kp, vp, op, dp, s_in.data_ptr(), 0)
         return final
 
 
