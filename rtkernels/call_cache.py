@@ -47,7 +47,7 @@ def _decay_key(x: Any, grad: bool) -> Any:
         return _NO_KEY if strict() else ("cuda", x.dtype, x.shape, x.stride(), x.get_device())
     # a CPU tensor: by value (the checks and the cached log tensor depend on the values; a write
     # through .data or .numpy() leaves _version unchanged)
-    return ("cpu", x.dtype, x.shape, tuple(x.tolist()))
+    return ("cpu", x.dtype, x.shape, tuple(x.reshape(-1).tolist()))
 
 
 def call_key(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, method: Any, layout: Any,

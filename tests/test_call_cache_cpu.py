@@ -64,14 +64,18 @@ def test_uncacheable_calls_have_no_key():
     assert key(q, k, v, decay=torch.full((2,), 0.5, requires_grad=True)) is None
 
 
-def test_host_decay_tensor_keyed_by_identity_and_version():
+def test_host_decay_tensor_keyed_by_value():
     q, k, v = _qkv()
     d = torch.full((2,), 0.5)
     before = key(q, k, v, decay=d)
     assert key(q, k, v, decay=d) == before
-    d.fill_(0.25)  # in place: the version moves, so the checked values are not reused
+    d.fill_(0.25)  # in place: the checked values are not reused
     assert key(q, k, v, decay=d) != before
-    assert key(q, k, v, decay=d.clone()) != key(q, k, v, decay=d)
+    assert key(q, k, v, decay=d.clone()) == key(q, k, v, decay=d)  # equal values, equal checks and plan
+    after, version = key(q, k, v, decay=d), d._version
+    d.numpy()[0] = 1.5  # a write that leaves the version counter alone (also .data) is still seen
+    assert d._version == version and key(q, k, v, decay=d) != after
+    assert key(q, k, v, decay=d.double()) != key(q, k, v, decay=d)  # the dtype is part of it
 
 
 def test_autotune_changes_invalidate_the_key():

@@ -6,9 +6,16 @@ A failure becomes a row with its error text; the run goes on and exits 0.
 
 ``--pass fwd`` (the default) times the forward call; ``--pass fwdbwd`` times one forward and one
 backward per call: the inputs require grad, ``out.backward(grad)`` with a fixed random ``grad``, the
-decay fixed (fla's ``g_gamma`` too), the gradients set to None before each call. Its rows give the
-time and peak memory of the whole, the output's error and the largest error of dq, dk, dv against
-fp64 gradients; the decode rows (a forward step) are skipped.
+gradients set to None before each call. Its rows give the time and peak memory of the whole, the
+output's error and the largest error of dq, dk, dv (and dγ with ``--trainable``) against fp64
+gradients; the decode rows (a forward step) are skipped.
+
+The decay is a ``[H]`` tensor on the GPU, where a model keeps it (``--decay cpu``: on the CPU, the
+host path). ``--trainable`` (with ``--pass fwdbwd``) makes it a tensor that requires grad, as a
+learned decay is: rtkernels takes it as ``decay``, fla as per-token gates ``g`` (its ``g_gamma``
+gets no gradient). ``--graph`` adds the kernel time alone: ten forward calls captured in one CUDA
+graph and replayed, no Python and no launch overhead. Errors are against the fp64 reference of
+:mod:`.reference`, which shares no code with the library, on every batch.
 """
 
 from __future__ import annotations
@@ -80,6 +87,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--pass", dest="pass_", choices=PASSES, default="fwd",
                         help="what a call times: the forward (fwd, default) or forward + backward with "
                              "out.backward(grad) (fwdbwd; decode shapes are skipped)")
+    parser.add_argument("--decay", choices=("cuda", "cpu"), default="cuda",
+                        help="where rtkernels' [H] decay tensor lives: on the GPU as in a model (default), "
+                             "or on the CPU")
+    parser.add_argument("--trainable", action="store_true",
+                        help="with --pass fwdbwd: the decay requires grad and its gradient is part of the call")
+    parser.add_argument("--graph", action="store_true",
+                        help="also time the forward kernels alone: 10 calls captured in a CUDA graph, replayed")
     return parser
 
 
@@ -119,46 +133,62 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int,
     return inp
 
 
-def reference(inp: dict[str, Any], case: Case) -> tuple[torch.Tensor, str, Optional[torch.Tensor]]:
-    """fp64 output of batch 0 ``[H, N, D]``, how it was made, and when ``inp["grad"]`` is given the
-    fp64 gradients ``[3, H, N, D]`` of batch 0's q, k, v under that incoming gradient (else None)."""
-    import torch
-    from ... import causal_linear_attention as cla
+@dataclass
+class Reference:
+    """The fp64 answer of one input: the output ``[B, H, N, D]``, how it was made, and with an
+    incoming gradient dq, dk, dv of batch 0 (``[3, H, N, D]``) and dL/dγ ``[H]`` (all batches)."""
 
-    q, k, v = (t[0] for t in inp["qkv"])  # batch 0, [H, N, D]
+    out: torch.Tensor
+    note: str
+    grads: Optional[torch.Tensor] = None
+    dgamma: Optional[torch.Tensor] = None
+
+
+def reference(inp: dict[str, Any], case: Case) -> Reference:
+    """The fp64 reference of :mod:`.reference` (no code shared with the library) on every batch."""
+    import torch
+
+    from .reference import head_reference
+
+    q, k, v = inp["qkv"]
     gamma = inp["gamma"]
     if case.decode:
-        s = gamma.to(q.device)[:, None, None] * inp["state"][0].double() + k.double().transpose(-1, -2) @ v.double()
-        return q.double() @ s, "fp64 one-step recurrence", None
-    method = "vanilla" if case.n <= 16384 else "chunk"
+        s = gamma.to(q.device)[:, None, None] * inp["state"].double() + k.double().transpose(-1, -2) @ v.double()
+        return Reference(q.double() @ s, "fp64 one-step recurrence")
+    grad = inp.get("grad")
     ref = torch.empty(v.shape, dtype=torch.float64, device=v.device)
-    grad = None if inp.get("grad") is None else inp["grad"][0]
-    grads = None if grad is None else torch.empty(3, *v.shape, dtype=torch.float64, device=v.device)
-    for h in range(case.h):  # one head at a time bounds the memory (vanilla is N² per head)
-        qh, kh, vh = (t[None, h:h + 1].double().requires_grad_(grad is not None) for t in (q, k, v))
-        with torch.set_grad_enabled(grad is not None):
-            out = cla(qh, kh, vh, float(gamma[h]), method=method)
-        ref[h] = out.detach()[0, 0]
-        if grads is not None:
-            for i, x in enumerate(torch.autograd.grad(out, (qh, kh, vh), grad[None, h:h + 1].double())):
-                grads[i, h] = x[0, 0]
-    note = "rtkernels vanilla fp64" if method == "vanilla" else "rtkernels chunk fp64 (N² vanilla infeasible)"
-    if grads is not None:
-        note += ", gradients by its fp64 torch backward"
-    return ref, note, grads
+    grads = None if grad is None else torch.empty(3, *v.shape[1:], dtype=torch.float64, device=v.device)
+    dgamma = None if grad is None else torch.zeros(case.h, dtype=torch.float64)
+    for b in range(case.b):
+        for h in range(case.h):  # one head at a time bounds the memory
+            leaves = [t[b, h].double().requires_grad_(grad is not None) for t in (q, k, v)]
+            g = gamma[h].to(q.device, copy=True).requires_grad_(grad is not None)
+            with torch.set_grad_enabled(grad is not None):
+                out = head_reference(*leaves, g)
+            ref[b, h] = out.detach()
+            if grad is not None:
+                dq, dk, dv, dg = torch.autograd.grad(out, (*leaves, g), grad[b, h].double())
+                if b == 0:
+                    grads[0, h], grads[1, h], grads[2, h] = dq, dk, dv
+                dgamma[h] += float(dg)
+    note = "fp64 blockwise reference (bench/reference), every batch"
+    return Reference(ref, note + (", gradients by autograd through it" if grad is not None else ""), grads, dgamma)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖_F / ‖ref‖_F, one head at a time (fp64)."""
+    """‖out − ref‖_F / ‖ref‖_F over every leading index (fp64, one slice at a time)."""
     num = den = 0.0
-    for h in range(ref.shape[0]):
-        num += float((out[h].double() - ref[h]).square().sum())
-        den += float(ref[h].square().sum())
+    out, ref = out.reshape(-1, *out.shape[-2:]), ref.reshape(-1, *ref.shape[-2:])
+    for i in range(ref.shape[0]):
+        num += float((out[i].double() - ref[i]).square().sum())
+        den += float(ref[i].square().sum())
     return math.sqrt(num / den) if den else float("nan")
 
 
-def skip_reason(case: Case, impl: Any, pass_: str = "fwd") -> Optional[str]:
+def skip_reason(case: Case, impl: Any, pass_: str = "fwd", trainable: bool = False) -> Optional[str]:
     """Why ``impl`` does not run on ``case`` in ``pass_`` (None: it runs)."""
+    if trainable and pass_ == "fwdbwd" and impl.trainable is None:
+        return "no gradient of the decay"
     if case.decode and pass_ == "fwdbwd":
         return "decode is a forward step: --pass fwdbwd times the other shapes"
     if case.decode and impl.decode is None:
@@ -172,11 +202,13 @@ def skip_reason(case: Case, impl: Any, pass_: str = "fwd") -> Optional[str]:
 
 
 def forward_backward(forward: Any, leaves: Sequence[torch.Tensor], g: Any, grad: torch.Tensor) -> Any:
-    """A call of ``--pass fwdbwd``: the gradients of ``leaves`` set to None, ``out = forward(*leaves,
-    g)``, ``out.backward(grad)``; returns the output (detached)."""
+    """A call of ``--pass fwdbwd``: the gradients of ``leaves`` (and of ``g`` if it requires grad)
+    set to None, ``out = forward(*leaves, g)``, ``out.backward(grad)``; returns the output (detached)."""
     def fn() -> Any:
         for t in leaves:
             t.grad = None
+        if getattr(g, "requires_grad", False):
+            g.grad = None
         out = forward(*leaves, g)
         if not out.requires_grad:
             raise RuntimeError("no backward: the output does not require grad")
@@ -185,24 +217,27 @@ def forward_backward(forward: Any, leaves: Sequence[torch.Tensor], g: Any, grad:
     return fn
 
 
-def measure(impl: Any, case: Case, inp: dict[str, Any], ref: torch.Tensor, device: torch.device,
-            reps: int, flush: Optional[torch.Tensor], max_call_s: float,
-            ref_grads: Optional[torch.Tensor] = None) -> dict[str, Any]:
-    """Time one implementation on one input; its error vs ``ref`` and its peak memory. With
-    ``ref_grads`` (``--pass fwdbwd``) each call is a forward and a backward, and the row also gives
-    ``grad_rel_err``, the largest error of dq, dk, dv (batch 0) vs ``ref_grads``."""
+def measure(impl: Any, case: Case, inp: dict[str, Any], ref: Reference, device: torch.device,
+            reps: int, flush: Optional[torch.Tensor], max_call_s: float, backward: bool = False,
+            trainable: bool = False, graph: bool = False) -> dict[str, Any]:
+    """Time one implementation on one input; its error vs ``ref`` (every batch) and its peak memory.
+    With ``backward`` (``--pass fwdbwd``) each call is a forward and a backward, and the row also
+    gives ``grad_rel_err``, the largest error of dq, dk, dv (batch 0) and, with ``trainable``, of
+    dL/dγ. With ``graph`` a forward row also gets ``graph_ms``, the kernel time alone."""
     from . import timing
 
     g = impl.decay(inp["gamma"], device)
+    if trainable and backward:
+        g = g.detach().clone().requires_grad_(True)
     layout = (lambda t: t) if impl.layout == "bhnd" else (lambda t: t.transpose(1, 2).contiguous())
     args = inp["qkv"] if impl.layout == "bhnd" else tuple(layout(t) for t in inp["qkv"])
     leaves: list[torch.Tensor] = []
     if case.decode:
         def fn() -> Any:
             return impl.decode(*args, g, inp["state"])
-    elif ref_grads is not None:
+    elif backward:
         leaves = [t.detach().requires_grad_(True) for t in args]
-        fn = forward_backward(impl.forward, leaves, g, layout(inp["grad"]))
+        fn = forward_backward(impl.trainable if trainable else impl.forward, leaves, g, layout(inp["grad"]))
     else:
         def fn() -> Any:
             return impl.forward(*args, g)
@@ -212,6 +247,11 @@ def measure(impl: Any, case: Case, inp: dict[str, Any], ref: torch.Tensor, devic
         if leaves and impl.backward_path is not None:
             row["path"] += f", bwd: {impl.backward_path(args[0], args[2])}"
     row.update(timing.time_call(fn, device, reps, flush, max_call_s))
+    if graph and not backward and device.type == "cuda":
+        try:
+            row["graph_ms"] = timing.graph_replay_ms(fn, reps)
+        except Exception as exc:  # a call that cannot be captured says so in its row
+            row["graph_error"] = _err(exc)
     for t in leaves:  # the last repetition's gradients are not part of the measured call
         t.grad = None
     out, extra = timing.run_with_peak(fn, device)
@@ -219,17 +259,24 @@ def measure(impl: Any, case: Case, inp: dict[str, Any], ref: torch.Tensor, devic
                                                            *([inp["grad"]] if leaves else [])))
     if extra is not None:
         row["extra_mb"], row["peak_mb"] = extra / 2 ** 20, (extra + in_bytes) / 2 ** 20
-    row["rel_err"] = rel_err(out[0] if impl.layout == "bhnd" else out[0].transpose(0, 1), ref)
+    row["rel_err"] = rel_err(out if impl.layout == "bhnd" else out.transpose(1, 2), ref.out)
     if leaves:
-        row["grad_rel_err"] = max(rel_err(t.grad[0] if impl.layout == "bhnd" else t.grad[0].transpose(0, 1), r)
-                                  for t, r in zip(leaves, ref_grads))
+        errs = [rel_err(t.grad[0] if impl.layout == "bhnd" else t.grad[0].transpose(0, 1), r)
+                for t, r in zip(leaves, ref.grads)]
+        if trainable:
+            dg = g.grad.double().cpu()
+            if impl.decay_is_log:  # dL/dlog γ -> dL/dγ
+                dg = dg / inp["gamma"]
+            row["decay_grad_rel_err"] = float((dg - ref.dgamma).norm() / ref.dgamma.norm())
+            errs.append(row["decay_grad_rel_err"])
+        row["grad_rel_err"] = max(errs)
     return row
 
 
 def host_overheads(impls: list[Any], device: torch.device) -> dict[str, Any]:
     """µs per call of 200 back-to-back calls at a tiny shape (1, 1, 64, 64): rtkernels chunk and scan
-    (decay as a [H] CPU tensor and as a float; chunk's repeated calls take the cached-call path)
-    and fla, where loaded."""
+    (decay as a [H] CPU tensor and as a float, chunk also as a CUDA tensor; chunk's repeated calls
+    take the cached-call path) and fla, where loaded."""
     import torch
     from ... import causal_linear_attention as cla
 
@@ -240,6 +287,10 @@ def host_overheads(impls: list[Any], device: torch.device) -> dict[str, Any]:
     g = torch.tensor([0.97])
     res: dict[str, Any] = {"shape": "1x1x64x64 " + str(dtype).replace("torch.", "")}
     res["rtkernels chunk, decay [H] CPU tensor"] = timing.host_overhead(lambda: cla(q, k, v, g, method="chunk"), device)
+    if device.type == "cuda":
+        gd = g.to(device)
+        res["rtkernels chunk, decay [H] CUDA tensor"] = timing.host_overhead(lambda: cla(q, k, v, gd, method="chunk"),
+                                                                            device)
     res["rtkernels chunk, decay float"] = timing.host_overhead(lambda: cla(q, k, v, 0.97, method="chunk"), device)
     res["rtkernels scan, decay [H] CPU tensor"] = timing.host_overhead(lambda: cla(q, k, v, g, method="scan"), device)
     res["rtkernels scan, decay float"] = timing.host_overhead(lambda: cla(q, k, v, 0.97, method="scan"), device)
@@ -250,11 +301,13 @@ def host_overheads(impls: list[Any], device: torch.device) -> dict[str, Any]:
     return res
 
 
-def load_impls(names: Sequence[str], methods: Sequence[str], device: torch.device) -> tuple[list[Any], dict]:
-    """The implementations to run, and what each peer's loading said (version, or why it is absent)."""
+def load_impls(names: Sequence[str], methods: Sequence[str], device: torch.device,
+               decay_on: str = "cuda") -> tuple[list[Any], dict]:
+    """The implementations to run, and what each peer's loading said (version, or why it is absent);
+    ``decay_on``: where rtkernels' decay tensor lives."""
     from . import peers
 
-    impls = [peers.rtkernels_impl(m) for m in methods] if "rtkernels" in names else []
+    impls = [peers.rtkernels_impl(m, decay_on) for m in methods] if "rtkernels" in names else []
     info: dict[str, Any] = {}
     for name, loader in (("fla", peers.load_fla), ("leetdecoding", peers.load_leetdecoding)):
         if name not in names:
@@ -290,12 +343,14 @@ def run_case(case: Case, dt: str, impls: list[Any], device: torch.device, args: 
     from . import report, timing
 
     bwd = args.pass_ == "fwdbwd" and not case.decode
+    trainable = bwd and args.trainable
     base = {"shape": case.label, "B": case.b, "H": case.h, "N": case.n, "D": case.d, "dtype": dt,
-            "pass": "decode" if case.decode else args.pass_}
+            "pass": "decode" if case.decode else args.pass_,
+            "decay": (args.decay if device.type == "cuda" else "cpu") + (", trainable" if trainable else "")}
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
     try:
         inp = make_inputs(case, dtype, device, args.seed, bwd)
-        ref, note, ref_grads = reference(inp, case)
+        ref = reference(inp, case)
     except Exception as exc:
         _free(device)
         return [{**base, "impl": "inputs/reference", "error": _err(exc)}]
@@ -304,11 +359,12 @@ def run_case(case: Case, dt: str, impls: list[Any], device: torch.device, args: 
     rows = []
     for impl in impls:
         row = {**base, "impl": impl.name, "method": impl.decode_method if case.decode else impl.method,
-               "ref": note, "l2_flush": flush is not None}
-        reason = skip_reason(case, impl, args.pass_)
+               "ref": ref.note, "l2_flush": flush is not None}
+        reason = skip_reason(case, impl, args.pass_, trainable)
         try:
             row.update({"skipped": reason} if reason else
-                       measure(impl, case, inp, ref, device, reps, flush, args.max_call_s, ref_grads))
+                       measure(impl, case, inp, ref, device, reps, flush, args.max_call_s, bwd, trainable,
+                               args.graph))
         except Exception as exc:
             row["error"] = _err(exc)
         rows.append(row)
@@ -316,7 +372,7 @@ def run_case(case: Case, dt: str, impls: list[Any], device: torch.device, args: 
             f", grad rel err {row['grad_rel_err']:.1e}" if "grad_rel_err" in row else "")
         print(f"  [{case.label} {dt}] {report.label(row)}: {status}", flush=True)
         _free(device)
-    del inp, ref, ref_grads
+    del inp, ref
     _free(device)
     return rows
 
@@ -347,7 +403,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"warning: --reps {reps} < 20, below the protocol of docs/benchmark.md", file=sys.stderr)
     print(f"bench: device {device}, reps {reps}, out {args.out}", flush=True)
     env = report.environment(device, args.quick)
-    impls, env["peers"] = load_impls(args.impls, args.methods, device)
+    if args.trainable and args.pass_ != "fwdbwd":
+        print("rtkernels bench: --trainable needs --pass fwdbwd", file=sys.stderr)
+        return 2
+    impls, env["peers"] = load_impls(args.impls, args.methods, device, args.decay if device.type == "cuda" else "cpu")
     try:
         env["host_overhead_us"] = host_overheads(impls, device)
     except Exception as exc:

@@ -33,6 +33,9 @@ class Impl:
     decode_method: str = ""
     path: Optional[Callable[[Tensor, Tensor], str]] = None  # "kernel" / "torch" for rtkernels
     backward_path: Optional[Callable[[Tensor, Tensor], str]] = None  # rtkernels: the backward that runs
+    #: the forward with a trainable decay (its argument from ``decay``, requiring grad); None: no decay gradient
+    trainable: Optional[Callable[[Tensor, Tensor, Tensor, Any], Tensor]] = None
+    decay_is_log: bool = False  # the decay argument is log γ (its gradient is converted to dL/dγ)
 
 
 def dist_version(*names: str) -> Optional[str]:
@@ -49,8 +52,9 @@ def _err(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
 
-def rtkernels_impl(method: str) -> Impl:
-    """``rtkernels.causal_linear_attention`` with one method; decay as a [H] float32 CPU tensor."""
+def rtkernels_impl(method: str, decay_on: str = "cuda") -> Impl:
+    """``rtkernels.causal_linear_attention`` with one method; decay as a [H] float32 tensor on the
+    GPU (``decay_on="cuda"``, where a model keeps it) or on the CPU (``"cpu"``)."""
     from ... import METHODS, causal_linear_attention as cla
     from ...autograd import backward_impl
     from ...methods import auto_method
@@ -62,10 +66,12 @@ def rtkernels_impl(method: str) -> Impl:
     def decode(q: Tensor, k: Tensor, v: Tensor, g: Tensor, s: Tensor) -> Tensor:
         return cla(q, k, v, g, method=method, initial_state=s, return_state=True)[0]
 
-    return Impl("rtkernels", method, "bhnd", lambda gamma, dev: gamma.float(),
-                lambda q, k, v, g: cla(q, k, v, g, method=method),
-                decode if method == "scan" else None, method, path,
-                lambda q, v: backward_impl(q, v).__name__)
+    def forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor) -> Tensor:
+        return cla(q, k, v, g, method=method)
+
+    return Impl("rtkernels", method, "bhnd", lambda gamma, dev: gamma.float().to(dev if decay_on == "cuda" else "cpu"),
+                forward, decode if method == "scan" else None, method, path,
+                lambda q, v: backward_impl(q, v).__name__, trainable=forward)
 
 
 def load_fla(device: torch.device) -> tuple[Optional[Impl], dict[str, Any]]:
@@ -81,9 +87,13 @@ def load_fla(device: torch.device) -> tuple[Optional[Impl], dict[str, Any]]:
         return fused_recurrent_simple_gla(q, k, v, g_gamma=g, scale=1.0, initial_state=s,
                                           output_final_state=True)[0]
 
+    def trainable(q: Tensor, k: Tensor, v: Tensor, lg: Tensor) -> Tensor:
+        # g_gamma gets no gradient in fla; a learned per-head decay goes in as per-token gates g
+        return chunk_simple_gla(q, k, v, g=lg.expand(q.shape[0], q.shape[1], lg.shape[0]), scale=1.0)[0]
+
     impl = Impl("fla", "chunk_simple_gla", "bnhd", lambda gamma, dev: torch.log(gamma).float().to(dev),
                 lambda q, k, v, g: chunk_simple_gla(q, k, v, g_gamma=g, scale=1.0)[0],
-                decode, "fused_recurrent_simple_gla")
+                decode, "fused_recurrent_simple_gla", trainable=trainable, decay_is_log=True)
     return impl, {"loaded": True, "version": dist_version("fla-core", "flash-linear-attention") or "unknown"}
 
 
@@ -148,4 +158,4 @@ def _naive_decode(q: Tensor, k: Tensor, v: Tensor, gamma: Tensor, s: Tensor) -> 
 def torch_impl() -> Impl:
     """Plain torch: the N² masked matmul (forward) and a recurrence step (decode)."""
     return Impl("torch", "N² masked matmul", "bhnd", lambda gamma, dev: gamma.float().to(dev),
-                _naive_forward, _naive_decode, "recurrence step")
+                _naive_forward, _naive_decode, "recurrence step", trainable=_naive_forward)

@@ -78,11 +78,14 @@ def roofline_pct(row: Row, env: dict[str, Any]) -> Optional[float]:
 
 def add_derived(rows: list[Row], env: dict[str, Any]) -> None:
     """Fill ``roofline_pct`` and ``vs_fla`` (fla's time / this time: > 1 means faster than fla)."""
-    fla = {(r["shape"], r["dtype"], r["pass"]): r["ms"] for r in rows if r["impl"] == "fla" and r.get("ms")}
+    fla = {(r["shape"], r["dtype"], r["pass"]): r for r in rows if r["impl"] == "fla" and r.get("ms")}
     for r in rows:
         r["roofline_pct"] = roofline_pct(r, env)
-        ref = fla.get((r["shape"], r["dtype"], r["pass"]))
-        r["vs_fla"] = ref / r["ms"] if ref and r.get("ms") else None
+        ref = fla.get((r["shape"], r["dtype"], r["pass"]), {})
+        r["vs_fla"] = ref["ms"] / r["ms"] if ref and r.get("ms") else None
+        if r.get("graph_ms"):
+            r["graph_roofline_pct"] = roofline_pct({**r, "ms": r["graph_ms"]}, env)
+            r["graph_vs_fla"] = ref["graph_ms"] / r["graph_ms"] if ref.get("graph_ms") else None
 
 
 def label(r: Row) -> str:
@@ -103,9 +106,16 @@ def _overhead_text(ho: dict[str, Any]) -> str:
 
 
 #: What the Markdown adds for ``--pass fwdbwd`` rows.
-BWD_NOTE = (" Forward + backward: one call is the forward and out.backward(grad) (q, k, v require grad, the "
-            "decay is fixed); its time and peak memory are the whole's, the inputs counted with grad; no "
-            "roofline; rel err of the output; grad rel err: the largest of dq, dk, dv's vs fp64 gradients.")
+BWD_NOTE = (" Forward + backward: one call is the forward and out.backward(grad) (q, k, v require grad; the "
+            "decay too where it says trainable: rtkernels' decay tensor, fla's per-token gates g, since its "
+            "g_gamma gets no gradient); its time and peak memory are the whole's, the inputs counted with grad; no "
+            "roofline; rel err of the output; grad rel err: the largest of dq, dk, dv's (and dγ's) vs fp64 gradients.")
+#: ... for ``--graph``.
+GRAPH_NOTE = (" graph ms: the kernels alone, ten forward calls captured in one CUDA graph and replayed (no "
+              "Python, no launch overhead, no L2 flush between them).")
+#: ... for the decay's placement.
+DECAY_NOTE = ("rtkernels gets a float32 [H] tensor: cuda = on the GPU, as a model keeps it; cpu = on the host; "
+              "fla gets log γ on the GPU")
 
 
 def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> str:
@@ -113,6 +123,8 @@ def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> st
     ``--pass fwdbwd`` get a title saying so and a column of gradient errors."""
     gpu = env["gpu"]["name"]
     bwd = any(r["pass"] == "fwdbwd" for r in rows)
+    graph = any(r.get("graph_ms") or r.get("graph_error") for r in rows)
+    decays = sorted({r["decay"] for r in rows if r.get("decay")})
     out = [f"## rtkernels bench{' (forward + backward)' if bwd else ''} on {gpu}", "",
            f"copy BW {env['copy_bw_GBps']:.4g} GB/s ({env['copy_bw_how']}); tensor peak "
            f"{env['tensor_peak_TFLOPs']:.3g} TFLOP/s ({env['tensor_peak_how']}); torch {env['torch']}; "
@@ -123,10 +135,12 @@ def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> st
            + ".", "", _overhead_text(env.get("host_overhead_us", {})), "",
            "vs fla: fla's time / this time (> 1: faster than fla). % roofline: docs/benchmark.md's "
            "max(bytes/copy BW, flop/tensor peak) / time; decode rows: % of copy bandwidth. "
-           "peak MB: the call's inputs + the most it allocates." + (BWD_NOTE if bwd else ""), "",
-           "| shape | dtype | impl/method | ms | vs fla | % roofline | rel err | peak MB |"
+           "peak MB: the call's inputs + the most it allocates." + (BWD_NOTE if bwd else "")
+           + (GRAPH_NOTE if graph else "") + f" Decay: {', '.join(decays)} ({DECAY_NOTE})", "",
+           "| shape | dtype | impl/method | ms | vs fla | % roofline |"
+           + (" graph ms | graph vs fla | graph % roofline |" if graph else "") + " rel err | peak MB |"
            + (" grad rel err |" if bwd else ""),
-           "|---|---|---|---:|---:|---:|---:|---:|" + ("---:|" if bwd else "")]
+           "|---|---|---|---:|---:|---:|" + ("---:|---:|---:|" if graph else "") + "---:|---:|" + ("---:|" if bwd else "")]
     notes: list[str] = []
     skipped: dict[str, list[str]] = {}
     for r in rows:
@@ -136,12 +150,16 @@ def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> st
         if r.get("error"):
             notes.append(f"- ERROR {r['shape']} {r['dtype']} {label(r)}: {r['error']}")
         ms = _fmt(r.get("ms"), ".3f") if not r.get("error") else "ERROR"
+        if r.get("graph_error"):
+            notes.append(f"- no CUDA graph for {r['shape']} {r['dtype']} {label(r)}: {r['graph_error']}")
+        gcols = (f"{_fmt(r.get('graph_ms'), '.4f')} | {_fmt(r.get('graph_vs_fla'), '.2f')} | "
+                 f"{_fmt(r.get('graph_roofline_pct'), '.1f')} | ") if graph else ""
         out.append(f"| {r['shape']} | {r['dtype']} | {label(r)} | {ms} | {_fmt(r.get('vs_fla'), '.2f')} | "
-                   f"{_fmt(r.get('roofline_pct'), '.1f')} | {_fmt(r.get('rel_err'), '.1e')} | "
+                   f"{_fmt(r.get('roofline_pct'), '.1f')} | {gcols}{_fmt(r.get('rel_err'), '.1e')} | "
                    f"{_fmt(r.get('peak_mb'), '.0f')} |" + (f" {_fmt(r.get('grad_rel_err'), '.1e')} |" if bwd else ""))
     refs = sorted({f"{r['shape']}: {r['ref']}" for r in rows if r.get("ref")})
     notes += [f"- skipped ({reason}): {', '.join(where)}" for reason, where in skipped.items()]
-    return "\n".join(out + [""] + notes + ["", "rel err: Frobenius norm vs an fp64 reference on batch 0 ("
+    return "\n".join(out + [""] + notes + ["", "rel err: Frobenius norm vs an fp64 reference ("
                                            + "; ".join(refs) + ")."]) + "\n"
 
 
