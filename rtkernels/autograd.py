@@ -111,10 +111,12 @@ class Grads(NamedTuple):
 
 
 #: ``(q, k, v, log_decay, scale, initial_state, grad_out, grad_state, need_state_grad,
-#: need_decay_grad) -> Grads``: q, k, v, grad_out as ``[B, H, N, D]`` views in the input dtype
-#: (any strides), ``initial_state`` and ``grad_state`` (``[B, H, Dk, Dv]``) may be None.
+#: need_decay_grad, fp32_precision) -> Grads``: q, k, v, grad_out as ``[B, H, N, D]`` views in the
+#: input dtype (any strides), ``initial_state`` and ``grad_state`` (``[B, H, Dk, Dv]``) may be
+#: None; ``fp32_precision`` ("exact" or "tf32") is the forward's float32 kernel mode, which a
+#: backward running float32 kernels uses too.
 BackwardImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, LogDecay, float, Optional[torch.Tensor],
-                         torch.Tensor, Optional[torch.Tensor], bool, bool], Grads]
+                         torch.Tensor, Optional[torch.Tensor], bool, bool, str], Grads]
 
 
 class _Chunked(NamedTuple):
@@ -227,8 +229,10 @@ def log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
 
 def torch_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                    initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
-                   grad_state: Optional[torch.Tensor], need_state_grad: bool, need_decay_grad: bool) -> Grads:
-    """The chunked backward of the module docstring in torch operations (any device and dtype)."""
+                   grad_state: Optional[torch.Tensor], need_state_grad: bool, need_decay_grad: bool,
+                   fp32_precision: str = "exact") -> Grads:
+    """The chunked backward of the module docstring in torch operations (any device and dtype;
+    ``fp32_precision`` does not concern it)."""
     cdt = compute_dtype(q.dtype)
     b, h, n, _ = q.shape
     lg = log_decay.tensor(cdt)
@@ -300,7 +304,8 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
         call: _Call = ctx.call
         _, need_q, need_k, need_v, need_decay, need_s0, _ = ctx.needs_input_grad
         g = grad_out.transpose(1, 2) if call.bnhd else grad_out
-        grads = backward_impl(q, v)(q, k, v, call.log_decay, call.scale, s0, g, grad_state, need_s0, need_decay)
+        grads = backward_impl(q, v)(q, k, v, call.log_decay, call.scale, s0, g, grad_state, need_s0, need_decay,
+                                    call.fp32_precision)
         return (None,
                 grads.q.to(q.dtype) if need_q else None,
                 grads.k.to(k.dtype) if need_k else None,

@@ -45,9 +45,11 @@ def _decay_key(x: Any, grad: bool) -> Any:
         return _NO_KEY
     if x.is_cuda:  # read by the kernel where it is: its layout, not its values, shapes the launch
         return _NO_KEY if strict() else ("cuda", x.dtype, x.shape, x.stride(), x.get_device())
+    if x.device.type != "cpu" or x.layout is not torch.strided:  # the full path says what is wrong
+        return _NO_KEY
     # a CPU tensor: by value (the checks and the cached log tensor depend on the values; a write
     # through .data or .numpy() leaves _version unchanged)
-    return ("cpu", x.dtype, x.shape, tuple(x.reshape(-1).tolist()))
+    return ("cpu", x.dtype, x.shape, tuple(x.tolist() if x.dim() == 1 else x.reshape(-1).tolist()))
 
 
 def call_key(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, method: Any, layout: Any,

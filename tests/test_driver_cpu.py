@@ -31,7 +31,7 @@ def test_a_thread_without_a_context_gets_torchs_and_the_launch_is_retried(monkey
     k._layouts, k._lock = {}, threading.Lock()
     monkeypatch.setattr(jit, "_raw_stream", lambda dev: 0)
     monkeypatch.setattr(driver, "make_primary_current", lambda dev: made.append(dev))
-    k.launch((1, 1, 1), (32, 1, 1), (0, 1, 2.0), 0, 0)
+    k.launch((1, 1, 1), (32, 1, 1), (0, 1, 2.0), 0, 0, 2)  # two pointers, then a struct field
     assert made == [0] and statuses == []
 
     bound = k.bind((1, 1, 1), (32, 1, 1), 0, 0, 2, (3, 4.0))

@@ -25,7 +25,7 @@ from tolerances import assert_close
 
 pytestmark = pytest.mark.gpu
 
-GAMMAS = (1e-6, 0.5, 0.999)
+GAMMAS = (1e-6, 0.5, 0.9, 0.99, 0.999)  # 0.9 and 0.99: a wrong power of gamma shows in fp32 and fp16
 #: ((B, H, N, Dk, Dv, layout), forced number of sequence segments or None): N in {1, 65, 1000,
 #: 4096}, Dk != Dv, D in {16, 64, 128}, both layouts; N = 4096 also split into 3 segments.
 CASES = [((2, 2, 1, 16, 64, "bhnd"), None), ((1, 3, 65, 64, 16, "bnhd"), None),
@@ -50,7 +50,7 @@ def _want_stateless(shape: tuple, dtype: torch.dtype, gamma: float) -> tuple:
 
 
 @pytest.mark.parametrize("stateful", (True, False), ids=("state", "nostate"))
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_kernel_backward_matches_fp64(case, dtype, stateful, monkeypatch):
     """dq, dk, dv and dS_0 within the dtype's tolerance (16-bit passes on tensor cores; dS_0 is
@@ -87,7 +87,7 @@ REVERSE_SHAPES = [(2, 3, 200, 64, 32, "bhnd"), (1, 2, 4096, 128, 128, "bnhd"), (
 
 
 @pytest.mark.parametrize("segments", (None, 3))
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
 @pytest.mark.parametrize("shape", REVERSE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_reverse_pass_is_the_kernel_on_flipped_copies(shape, dtype, segments, monkeypatch):
     """The reversed kernel pass (pointers of row N-1, negated token strides) gives bit for bit the
@@ -109,6 +109,23 @@ def test_reverse_pass_is_the_kernel_on_flipped_copies(shape, dtype, segments, mo
         want_state = chunk.kernel_forward(*(x.flip(2).contiguous() for x in (q, k, v)), ld, 0.7, flipped, init, True)
         assert torch.equal(out, flipped.flip(2)), f"{shape} {dtype} segments={segments} init={init is not None}"
         assert torch.equal(state, want_state)
+
+
+@pytest.mark.parametrize("gamma", (0.9, 0.99))
+def test_fp32_backward_in_tf32_mode(gamma):
+    """fp32_precision="tf32": the float32 backward's kernel passes run in TF32 too (error about 1e-3,
+    within the bf16 tolerance), and the exact mode is closer to fp64 than TF32 is."""
+    shape = (1, 2, 1000, 128, 64, "bhnd")
+    (q, k, v, s0, decay, w, ws), want = _case(shape, torch.float32, gamma)
+    errs = {}
+    for mode in ("tf32", "exact"):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        out = rtkernels.causal_linear_attention(*leaves, decay.float(), scale=0.8, method="chunk", fp32_precision=mode)
+        (out * w).sum().backward()
+        want_q = _want_stateless(shape, torch.float32, gamma)
+        assert_close(leaves[0].grad, want_q[0], torch.bfloat16, f"dq {mode}")
+        errs[mode] = float((leaves[0].grad.double() - want_q[0]).norm() / want_q[0].norm())
+    assert errs["exact"] < errs["tf32"] / 10, errs
 
 
 def _peak_backward_bytes(out: torch.Tensor, grad: torch.Tensor, state: Optional[torch.Tensor] = None,

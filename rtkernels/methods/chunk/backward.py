@@ -1,5 +1,5 @@
-r"""The backward built from the forward: three passes of the ``chunk`` forward (its CUDA kernel on
-16-bit CUDA inputs), no backward kernel of its own.
+r"""The backward built from the forward: three passes of the ``chunk`` forward (its CUDA kernels on
+fp16, bf16 and fp32 CUDA inputs), no backward kernel of its own.
 
 Per batch and head, with ``g_i = dL/do_i``, ``G = dL/dS_N`` (the gradient of the returned final
 state; absent when it is not returned or not used), ``S_i = gamma^(i+1) S_0 + sum_{j<=i}
@@ -31,10 +31,12 @@ large sums of rounded 16-bit gradients: catastrophic cancellation.)
 
 The reversed passes cost no copy on the kernel path: :func:`rtkernels.methods.chunk.kernel_forward`
 with ``reverse=True`` hands the kernel the pointers of row N-1 and negated token strides. Where
-the kernel does not run (the CPU, fp32/fp64, Dk or Dv > 256), :func:`forward_pass` runs the torch
+the kernel does not run (the CPU, fp64, Dk or Dv > 256), :func:`forward_pass` runs the torch
 ``chunk`` path on flipped copies, so the same decomposition is what the CPU tests check in fp64.
 
-Precision (kernel path): every pass is the forward kernel: 16-bit operands (g included), fp32
+Precision (kernel path): every pass is the forward kernel. fp32 inputs: the fp32 kernel in the
+forward's ``fp32_precision`` mode (3xTF32 "exact": fp32 accuracy; "tf32": about 1e-3), gradients in
+fp32; dlog(gamma) by the torch formula. 16-bit inputs: 16-bit operands (g included), fp32
 accumulation and state, outputs rounded to the input dtype; in fp16 the products g_i . v_j (the
 scores of the dq pass) are rounded to fp16 as the forward's q . k are, so a very large incoming
 gradient (loss scaling near fp16's range) can overflow there. dq, dk, dv come back in the input
@@ -75,14 +77,14 @@ __all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "kernel_backward", "s
 STATE_TERM_BLOCKS = 8
 
 
-#: The input dtypes this backward runs the chunk kernel for. fp32 stays on the torch backward even
-#: where its forward runs the fp32 chunk kernel (that kernel's reversed passes are not tested here).
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+#: The input dtypes this backward runs the chunk kernel for: the 16-bit kernel, and the float32
+#: kernel in the forward's mode (3xTF32 "exact" or "tf32"), reversed passes included.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def kernel_runs(*tensors: torch.Tensor) -> bool:
     """Whether the ``chunk`` kernel takes these operands: CUDA tensors of one dtype of
-    :data:`KERNEL_DTYPES` (fp16, bf16), every last dimension at most ``plan.MAX_DIM``, and CuPy
+    :data:`KERNEL_DTYPES` (fp16, bf16, fp32), every last dimension at most ``plan.MAX_DIM``, and CuPy
     with a driver."""
     x = tensors[0]
     return (x.dtype in KERNEL_DTYPES and all(t.dtype == x.dtype and t.shape[-1] <= plan.MAX_DIM for t in tensors)
@@ -91,7 +93,7 @@ def kernel_runs(*tensors: torch.Tensor) -> bool:
 
 def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                  out: torch.Tensor, initial_state: Optional[torch.Tensor], need_state: bool,
-                 reverse: bool) -> Optional[torch.Tensor]:
+                 reverse: bool, fp32_precision: str = "exact") -> Optional[torch.Tensor]:
     """The forward operator into ``out`` (``[B, H, N, Dv]``), in token order or, with ``reverse``,
     on the reversed sequence with its output written back in reverse order (``initial_state``
     entering before token N-1, the final state, returned when ``need_state``, after token 0).
@@ -100,7 +102,8 @@ def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: L
     otherwise the torch ``chunk`` path in the compute dtype on ``torch.flip``-ped copies.
     Work O(N C (Dk + Dv) + N Dk Dv)."""
     if kernel_runs(q, k, v, out):
-        return launch.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state, reverse=reverse)
+        return launch.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state, fp32_precision,
+                                     reverse=reverse)
     if not reverse:
         return run_torch_path(torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)
     flipped = torch.empty_like(out)
@@ -131,9 +134,11 @@ def _add_state_term(dst: torch.Tensor, x: torch.Tensor, m: torch.Tensor, lg: tor
 
 def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                     initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
-                    grad_state: Optional[torch.Tensor], need_state_grad: bool, need_decay_grad: bool) -> Grads:
+                    grad_state: Optional[torch.Tensor], need_state_grad: bool, need_decay_grad: bool,
+                    fp32_precision: str = "exact") -> Grads:
     """A :data:`~rtkernels.autograd.BackwardImpl`: the three forward passes of the module
-    docstring, the G terms and dlog(gamma) (its kernel where the passes run the chunk kernel, else
+    docstring (float32: the kernel in ``fp32_precision``'s mode), the G terms and dlog(gamma) (its
+    kernel where the passes run the 16-bit chunk kernel, else
     :func:`~rtkernels.autograd.log_decay_grad`). dq, dk, dv in the input dtype where the kernel
     runs, else in the compute dtype; dS_0 and dlog(gamma) in the compute dtype."""
     cdt = compute_dtype(q.dtype)
@@ -142,9 +147,10 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     dtype = q.dtype if on_kernel else cdt
     dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
-    forward_pass(grad_out, v, k, log_decay, scale, dq, s0_t, False, False)
-    forward_pass(v, grad_out, q, log_decay, scale, dk, None, False, True)
-    back = forward_pass(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True)
+    mode = fp32_precision
+    forward_pass(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, mode)
+    forward_pass(v, grad_out, q, log_decay, scale, dk, None, False, True, mode)
+    back = forward_pass(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, mode)
     lg = log_decay.tensor(cdt)
     d_s0 = back.to(cdt) * (scale * torch.exp(lg)).view(-1, 1, 1) if need_state_grad else None
     if grad_state is not None:
@@ -155,14 +161,14 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
             d_s0 += torch.exp(lg * n).view(-1, 1, 1) * g_state
     d_log = None
     if need_decay_grad:
-        dlog_fn = kernel_log_decay_grad if on_kernel else log_decay_grad
+        dlog_fn = kernel_log_decay_grad if on_kernel and q.dtype != torch.float32 else log_decay_grad
         d_log = dlog_fn(q, k, v, log_decay, scale, initial_state, grad_out, grad_state)
     return Grads(dq, dk, dv, d_s0, d_log)
 
 
 def supports(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Where :func:`kernel_backward` is registered to run: inputs the ``chunk`` kernel takes (CUDA,
-    fp16/bf16, Dk and Dv <= 256, CuPy present)."""
+    fp16/bf16/fp32, Dk and Dv <= 256, CuPy present)."""
     return kernel_runs(q, v)
 
 
