@@ -92,6 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                              "or on the CPU")
     parser.add_argument("--trainable", action="store_true",
                         help="with --pass fwdbwd: the decay requires grad and its gradient is part of the call")
+    parser.add_argument("--fp32-precision", choices=("exact", "tf32"), default=None,
+                        help="rtkernels' fp32_precision for fp32 rows (default: torch's float32 matmul setting, "
+                             "'exact' unless changed)")
     parser.add_argument("--graph", action="store_true",
                         help="also time the forward kernels alone: 10 calls captured in a CUDA graph, replayed")
     return parser
@@ -302,12 +305,12 @@ def host_overheads(impls: list[Any], device: torch.device) -> dict[str, Any]:
 
 
 def load_impls(names: Sequence[str], methods: Sequence[str], device: torch.device,
-               decay_on: str = "cuda") -> tuple[list[Any], dict]:
+               decay_on: str = "cuda", fp32_precision: Optional[str] = None) -> tuple[list[Any], dict]:
     """The implementations to run, and what each peer's loading said (version, or why it is absent);
     ``decay_on``: where rtkernels' decay tensor lives."""
     from . import peers
 
-    impls = [peers.rtkernels_impl(m, decay_on) for m in methods] if "rtkernels" in names else []
+    impls = [peers.rtkernels_impl(m, decay_on, fp32_precision) for m in methods] if "rtkernels" in names else []
     info: dict[str, Any] = {}
     for name, loader in (("fla", peers.load_fla), ("leetdecoding", peers.load_leetdecoding)):
         if name not in names:
@@ -406,7 +409,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.trainable and args.pass_ != "fwdbwd":
         print("rtkernels bench: --trainable needs --pass fwdbwd", file=sys.stderr)
         return 2
-    impls, env["peers"] = load_impls(args.impls, args.methods, device, args.decay if device.type == "cuda" else "cpu")
+    impls, env["peers"] = load_impls(args.impls, args.methods, device, args.decay if device.type == "cuda" else "cpu",
+                                     args.fp32_precision)
+    env["fp32_precision"] = args.fp32_precision or "torch setting: " + torch.get_float32_matmul_precision()
     try:
         env["host_overhead_us"] = host_overheads(impls, device)
     except Exception as exc:

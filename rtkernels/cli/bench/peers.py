@@ -52,9 +52,10 @@ def _err(exc: BaseException) -> str:
     return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
 
 
-def rtkernels_impl(method: str, decay_on: str = "cuda") -> Impl:
+def rtkernels_impl(method: str, decay_on: str = "cuda", fp32_precision: Optional[str] = None) -> Impl:
     """``rtkernels.causal_linear_attention`` with one method; decay as a [H] float32 tensor on the
-    GPU (``decay_on="cuda"``, where a model keeps it) or on the CPU (``"cpu"``)."""
+    GPU (``decay_on="cuda"``, where a model keeps it) or on the CPU (``"cpu"``); ``fp32_precision``
+    as the call takes it (None: torch's float32 matmul setting)."""
     from ... import METHODS, causal_linear_attention as cla
     from ...autograd import backward_impl
     from ...methods import auto_method
@@ -67,7 +68,7 @@ def rtkernels_impl(method: str, decay_on: str = "cuda") -> Impl:
         return cla(q, k, v, g, method=method, initial_state=s, return_state=True)[0]
 
     def forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor) -> Tensor:
-        return cla(q, k, v, g, method=method)
+        return cla(q, k, v, g, method=method, fp32_precision=fp32_precision)
 
     return Impl("rtkernels", method, "bhnd", lambda gamma, dev: gamma.float().to(dev if decay_on == "cuda" else "cpu"),
                 forward, decode if method == "scan" else None, method, path,

@@ -136,7 +136,8 @@ def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> st
            "vs fla: fla's time / this time (> 1: faster than fla). % roofline: docs/benchmark.md's "
            "max(bytes/copy BW, flop/tensor peak) / time; decode rows: % of copy bandwidth. "
            "peak MB: the call's inputs + the most it allocates." + (BWD_NOTE if bwd else "")
-           + (GRAPH_NOTE if graph else "") + f" Decay: {', '.join(decays)} ({DECAY_NOTE})", "",
+           + (GRAPH_NOTE if graph else "") + f" Decay: {', '.join(decays)} ({DECAY_NOTE})."
+           + (f" rtkernels fp32_precision: {env['fp32_precision']}." if env.get("fp32_precision") else ""), "",
            "| shape | dtype | impl/method | ms | vs fla | % roofline |"
            + (" graph ms | graph vs fla | graph % roofline |" if graph else "") + " rel err | peak MB |"
            + (" grad rel err |" if bwd else ""),

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ...autotune.answers import tuned_config
+from ...autotune.answers import plan_state, tuned_config
 from ...autotune.keys import dtype_name
 from ...autotune.space import Limits, Problem
 from ...decay import LogDecay
@@ -80,9 +80,11 @@ class ChunkLaunch:
                 (nseg, bh, h, dk * dv, seg_len, n - (nseg - 1) * seg_len, mode))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                 initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None,
+                 decay_ptr: Optional[int] = None) -> Optional[torch.Tensor]:
         """Launch on new tensors; ``decay``: a CUDA decay tensor of the planned dtype and stride in
-        place of the planned one (the cached call's), or None."""
+        place of the planned one (the cached call's), or ``decay_ptr``, the address of one (a
+        :meth:`LogDecay.kernel_arg` of the planned mode); neither: the planned decay."""
         s0 = initial_state
         if s0 is not None and (s0.dtype != torch.float32 or not s0.is_contiguous()):
             s0 = s0.to(torch.float32).contiguous()
@@ -90,7 +92,7 @@ class ChunkLaunch:
         final = torch.empty(self.state_shape, dtype=torch.float32, device=self.device) if self.need_state else None
         fp = 0 if final is None else final.data_ptr()
         qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-        dp = self.decay_ptr if decay is None else decay.data_ptr()
+        dp = decay.data_ptr() if decay is not None else self.decay_ptr if decay_ptr is None else decay_ptr
         if self.offsets is not None:
             oq, ok, ov, oo = self.offsets
             qp, kp, vp, op = qp + oq, kp + ok, vp + ov, op + oo
@@ -122,6 +124,12 @@ def kernel_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, fp32_precision=fp32_precision)
 
 
+#: Planned launches of :func:`kernel_forward` by call signature (the autograd forward and the
+#: backward's passes repeat the same few): planning again costs tens of µs of host time per pass.
+_planned: dict[tuple, ChunkLaunch] = {}
+_PLANNED_MAX = 256
+
+
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool, fp32_precision: str = "exact", *, reverse: bool = False) -> Optional[torch.Tensor]:
@@ -135,7 +143,21 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     in reverse order, i.e. ``out = flip(F(flip(q), flip(k), flip(v)))`` along the tokens, with the
     initial state entering before token N-1 and the final state after token 0. No copy: the kernel
     gets the pointers of row N-1 and negated token strides (:mod:`rtkernels.methods._launch`); segments and the
-    states scan work in the kernel's (reversed) token order unchanged."""
+    states scan work in the kernel's (reversed) token order unchanged.
+
+    The plan is kept by call signature (shapes, strides, dtypes, device, 16-byte alignment, the
+    decay's kernel mode, scale, the flags, the autotune store's state and the overrides), so a
+    repeated pass costs its launches."""
     q, k, v = unit_stride(q, k, v)
-    return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse,
-                       fp32_precision=fp32_precision)(q, k, v, out, initial_state)
+    decay, mode = log_decay.kernel_arg()
+    key = (q.shape, q.stride(), k.stride(), v.shape, v.stride(), out.stride(), q.dtype, k.dtype, v.dtype,
+           out.dtype, q.get_device(), (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15, mode,
+           scale, need_state, fp32_precision, reverse, plan_state(), current_overrides())
+    launcher = _planned.get(key)
+    if launcher is None:
+        if len(_planned) >= _PLANNED_MAX:
+            _planned.clear()
+        launcher = _planned[key] = ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse,
+                                               fp32_precision=fp32_precision)
+    return launcher(q, k, v, out, initial_state, decay_ptr=decay)
+
