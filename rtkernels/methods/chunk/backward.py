@@ -151,7 +151,8 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     forward_pass(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, mode)
     forward_pass(v, grad_out, q, log_decay, scale, dk, None, False, True, mode)
     back = forward_pass(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, mode)
-    lg = log_decay.tensor(cdt)
+    # log(gamma) in torch only where the state terms need it (a device decay costs several ops)
+    lg = log_decay.tensor(cdt) if need_state_grad or grad_state is not None else None
     d_s0 = back.to(cdt) * (scale * torch.exp(lg)).view(-1, 1, 1) if need_state_grad else None
     if grad_state is not None:
         g_state = grad_state.to(cdt)
