@@ -83,12 +83,13 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def kernel_runs(*tensors: torch.Tensor) -> bool:
-    """Whether the ``chunk`` kernel takes these operands: CUDA tensors of one dtype of
-    :data:`KERNEL_DTYPES` (fp16, bf16, fp32), every last dimension at most ``plan.MAX_DIM``, and CuPy
-    with a driver."""
-    x = tensors[0]
+    """Whether the ``chunk`` kernel takes these operands (q, v or q, k, v[, out]): CUDA tensors of
+    one dtype of :data:`KERNEL_DTYPES` (fp16, bf16, fp32), every last dimension at most
+    ``plan.MAX_DIM``, a configuration for (Dk, Dv) = the widths of q and v (fp32: one that fits the
+    shared memory), and CuPy with a driver."""
+    x, v = tensors[0], tensors[2] if len(tensors) > 2 else tensors[-1]
     return (x.dtype in KERNEL_DTYPES and all(t.dtype == x.dtype and t.shape[-1] <= plan.MAX_DIM for t in tensors)
-            and x.is_cuda and plan.kernel_supports(x, x) and kernels_available(x.device))
+            and x.is_cuda and plan.kernel_supports(x, v) and kernels_available(x.device))
 
 
 def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
