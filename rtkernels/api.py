@@ -52,6 +52,16 @@ def _fmt_dtype(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _check_storage(t: torch.Tensor, name: str) -> None:
+    """TypeError for a tensor the computation cannot read: sparse (or any non-strided layout) or
+    without data (the meta device)."""
+    if t.layout is not torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {str(t.layout).replace('torch.', '')}; "
+                        f"convert it with .to_dense()")
+    if t.device.type == "meta":
+        raise TypeError(f"{name} must hold data (a CPU or CUDA tensor), got a tensor on the meta device")
+
+
 def _check_inputs(q: Any, k: Any, v: Any, layout: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
     if not isinstance(layout, str):
         raise TypeError(f"layout must be a string, one of {', '.join(repr(x) for x in LAYOUTS)}; "
@@ -66,6 +76,7 @@ def _check_inputs(q: Any, k: Any, v: Any, layout: Any) -> tuple[torch.Tensor, to
     (qt, _), (kt, _), (vt, _) = converted
     axes = LAYOUTS[layout]
     for t, n, d in ((qt, "q", "Dk"), (kt, "k", "Dk"), (vt, "v", "Dv")):
+        _check_storage(t, n)
         if t.dim() != 4:
             raise ValueError(f"{n} must be a 4-D tensor {axes.replace('D]', d + ']')} for layout={layout!r}, "
                              f"got {t.dim()}-D shape {tuple(t.shape)}")
@@ -114,7 +125,9 @@ def _check_factor_or_rate(value: Any, name: str, h: int, device: torch.device) -
     if isinstance(value, torch.Tensor) or hasattr(value, "__cuda_array_interface__"):
         t, _ = _to_torch(value, name)
     else:
-        raise TypeError(f"{name} must be a float or a tensor of shape [H] = [{h}], got {type(value).__name__}")
+        how = "; wrap the values: torch.tensor(values)" if isinstance(value, (list, tuple, np.ndarray)) else ""
+        raise TypeError(f"{name} must be a float or a tensor of shape [H] = [{h}], got {type(value).__name__}{how}")
+    _check_storage(t, name)
     if not t.is_floating_point():
         raise TypeError(f"{name} must have a floating dtype, got {_fmt_dtype(t.dtype)}")
     if tuple(t.shape) != (h,):
@@ -159,6 +172,7 @@ def _check_state(initial_state: Any, q: torch.Tensor, v: torch.Tensor) -> Option
     if initial_state is None:
         return None
     s, _ = _to_torch(initial_state, "initial_state")
+    _check_storage(s, "initial_state")
     expected = (q.shape[0], q.shape[1], q.shape[3], v.shape[3])
     if tuple(s.shape) != expected:
         raise ValueError(f"initial_state must have shape [B, H, Dk, Dv] = {list(expected)}, got {tuple(s.shape)}")
@@ -278,6 +292,10 @@ def causal_linear_attention(
             sdt = compute_dtype(qt.dtype)
             state = (s0.to(sdt, copy=True) if s0 is not None else
                      torch.zeros(b, h, qt.shape[3], dv, dtype=sdt, device=qt.device))
+        if needs_grad(kind, qt, kt, vt, s0, log_decay):  # empty, but still a function of the inputs
+            tied = sum(t.sum() for t in (qt, kt, vt, s0, log_decay.source) if t is not None and t.requires_grad) * 0
+            out = out + tied.to(out.dtype)
+            state = None if state is None else state + tied.to(state.dtype)
     else:
         name = auto_method(qt, vt) if method == "auto" else method
         m = METHODS[name]

@@ -79,8 +79,12 @@ def call_key(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, me
         sk = (initial_state.shape, initial_state.stride(), initial_state.dtype, initial_state.get_device())
     else:
         return None
+    try:
+        align = (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
+    except RuntimeError:  # no storage (sparse): the full path names what is wrong
+        return None
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
-            q.get_device(), k.get_device(), v.get_device(), (q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15,
+            q.get_device(), k.get_device(), v.get_device(), align,
             dk, dr, type(scale), scale, method, layout, sk, return_state, fp32_precision, plan_epoch())
 
 

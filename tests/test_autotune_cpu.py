@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rtkernels import autotune
-from rtkernels.autotune import cuda, keys
+from rtkernels.autotune import answers, cuda, keys
 from rtkernels.autotune.space import Limits, Problem
 from rtkernels.autotune.store import FORMAT, Store, cache_dir
 from rtkernels.autotune.tuner import Candidate, tune
@@ -25,12 +25,25 @@ PROBLEM = Problem(4, 32, 4096, 128, 128, "bf16")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_selection_state():
+def _fresh_selection_state(monkeypatch):
+    """A clean selection state; the store mechanics are tested with abstract configs ({"bv": 64}),
+    so the registry's check of entries is off unless a test turns it on (``_entry_check``)."""
+    import rtkernels.methods  # noqa: F401  (installs the registry's check, then set aside here)
+
+    monkeypatch.setattr(answers, "_config_check", None)
     autotune.clear()
     autotune.set_autotune_on_miss(None)
     yield
     autotune.clear()
     autotune.set_autotune_on_miss(None)
+
+
+@pytest.fixture
+def _entry_check(monkeypatch):
+    from rtkernels.methods import registry
+
+    monkeypatch.setattr(answers, "_config_check", registry._entry_problem)
+    monkeypatch.setattr(answers, "_warned", set())
 
 
 def fake_tune(problem=PROBLEM, times=None, wrong=(), compile_fail=(), launch_fail=(), pruned=()):
@@ -142,6 +155,49 @@ def test_corrupt_file_warns_is_ignored_and_rebuilt(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert Store(FP, tmp_path).get("bf16-bh128-n4096-dk128-dv128") is not None
+
+
+def test_file_that_is_not_utf8_warns_is_ignored_and_rebuilt(tmp_path):
+    path = Store(FP, tmp_path).path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b'{"format": "rtkernels-autotune/1", "entries": {"\xff\xfe": 1}}')
+    with pytest.warns(RuntimeWarning, match="corrupt.*UnicodeDecodeError"):
+        store = Store(FP, tmp_path)
+    assert store.buckets() == {}
+    res, _ = fake_tune()
+    autotune.record(store, res)
+    assert list(json.loads(path.read_text())["entries"]) == ["bf16-bh128-n4096-dk128-dv128"]
+
+
+@pytest.mark.parametrize("entry, why", [
+    ({"method": "chunk", "configs": {"chunk": {"segments": 2}}}, "expected the keys"),
+    ({"method": "chunk", "configs": {"chunk": {"wgmma": True, "bv": 48, "segments": 1}}}, "bv=48"),
+    ({"method": "chunk", "configs": {"chunk": {"wgmma": 1, "bv": 64, "segments": 1}}}, "expected a bool"),
+    ({"method": "chunk", "configs": {"chunk": {"wgmma": True, "bv": 64, "segments": 0}}}, "positive"),
+    ({"method": "warp", "configs": {}}, "unknown method 'warp'"),
+    ({"method": "chunk", "configs": {"vanilla": {}}}, "no tuned configs"),
+    ({"method": "chunk", "configs": [1]}, "configs"),
+])
+def test_entries_the_library_cannot_run_are_ignored_with_a_warning(_entry_check, tmp_path, entry, why):
+    """A hand-edited or foreign entry never reaches a kernel launch (a missing key was a KeyError
+    in the user's call): the selection is None, so the heuristics run, and one warning names it."""
+    store = Store(FP, tmp_path)
+    store.put("bf16-bh128-n4096-dk128-dv128", entry)
+    autotune.use_store(0, store)
+    with pytest.warns(RuntimeWarning, match=f"ignoring the autotune entry bf16-bh128-n4096-dk128-dv128.*{why}"):
+        assert autotune.selection(0, torch.bfloat16, 128, 4096, 128, 128) is None
+    assert autotune.tuned_config("chunk", 0, torch.bfloat16, 128, 4096, 128, 128) is None
+
+
+def test_entries_of_real_configs_pass_the_check(_entry_check, tmp_path):
+    store = Store(FP, tmp_path)
+    config = {"wgmma": True, "bv": 64, "segments": 5}  # a segment count the heuristic may pick
+    store.put("bf16-bh128-n4096-dk128-dv128", {"method": "chunk", "configs": {"chunk": config,
+                                                                             "scan": {"t": 8, "nt": 128}}})
+    autotune.use_store(0, store)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert autotune.tuned_config("chunk", 0, torch.bfloat16, 128, 4096, 128, 128) == tuple(sorted(config.items()))
 
 
 def test_file_of_another_gpu_or_source_hash_is_not_used(tmp_path):

@@ -5,6 +5,9 @@ computation starts."""
 from __future__ import annotations
 
 import math
+import warnings
+
+import numpy as np
 
 import pytest
 import torch
@@ -15,6 +18,9 @@ from inputs import make_qkv
 
 B, H, N, DK, DV = 2, 3, 5, 4, 6
 Q, K, V = make_qkv(0, B, H, N, DK, DV, torch.float32)
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # torch deprecates quantized tensors; they must still be refused
+    QUANTIZED = torch.quantize_per_tensor(Q, 0.1, 0, torch.quint8)
 QT, KT, VT = (x.transpose(1, 2).contiguous() for x in (Q, K, V))  # the same in layout="bnhd"
 NAN, INF = math.nan, math.inf
 
@@ -106,10 +112,17 @@ CASES = [
          v=V.double()),
     case("mixed-half-dtypes", TypeError, r"^q, k and v must share one dtype, got q bfloat16, k float16, v bfloat16$",
          q=Q.bfloat16(), k=K.half(), v=V.bfloat16()),
-    case("k-meta-device", ValueError, r"^q, k and v must be on one device, got q on cpu, k on meta, v on cpu$",
+    case("k-meta-device", TypeError, r"^k must hold data \(a CPU or CUDA tensor\), got a tensor on the meta device$",
          k=K.to("meta")),
-    case("q-meta-device", ValueError, r"^q, k and v must be on one device, got q on meta, k on cpu, v on cpu$",
+    case("q-meta-device", TypeError, r"^q must hold data \(a CPU or CUDA tensor\), got a tensor on the meta device$",
          q=Q.to("meta")),
+    case("q-sparse", TypeError, r"^q must be a dense \(strided\) tensor, got layout sparse_coo; convert it",
+         q=Q.to_sparse()),
+    case("v-sparse-csr", TypeError, r"^v must be a dense \(strided\) tensor, got layout sparse_csr",
+         v=V.reshape(-1, DV).to_sparse_csr()),
+    case("q-quantized", TypeError, "^q " + DTYPES + "quint8$", q=QUANTIZED),
+    case("state-sparse", TypeError, r"^initial_state must be a dense \(strided\) tensor",
+         initial_state=torch.zeros(B, H, DK, DV).to_sparse()),
     # ---- q, k, v: not tensors
     case("q-list", TypeError, "^q " + TENSOR_OR_CUDA + "list$", q=Q.tolist()),
     case("q-numpy", TypeError, "^q " + TENSOR_OR_CUDA + "ndarray$", q=Q.numpy()),
@@ -131,9 +144,12 @@ CASES = [
          decay_rate=torch.zeros(H, dtype=torch.int32)),
     case("decay-bool", TypeError, DECAY_SHAPE + "bool$", decay=True),
     case("rate-bool", TypeError, RATE_SHAPE + "bool$", decay_rate=False),
-    case("decay-list", TypeError, DECAY_SHAPE + "list$", decay=[0.5] * H),
+    case("decay-list", TypeError, DECAY_SHAPE + r"list; wrap the values: torch\.tensor\(values\)$", decay=[0.5] * H),
+    case("decay-numpy", TypeError, DECAY_SHAPE + r"ndarray; wrap the values", decay=np.full(H, 0.5)),
+    case("decay-sparse", TypeError, r"^decay must be a dense \(strided\) tensor, got layout sparse_coo",
+         decay=full(0.5).to_sparse()),
     case("decay-str", TypeError, DECAY_SHAPE + "str$", decay="0.5"),
-    case("decay-meta-device", ValueError, r"^decay must be on the device of q \(cpu\) or on the CPU, got meta$",
+    case("decay-meta-device", TypeError, r"^decay must hold data \(a CPU or CUDA tensor\), got a tensor on the meta",
          decay=full(0.5, device="meta")),
     # ---- decay: values (gamma in (0, 1], finite rate >= 0)
     case("decay-zero", ValueError, FACTOR + r"0\.0$", decay=0.0),
@@ -185,7 +201,7 @@ CASES = [
          q=Q.bfloat16(), k=K.bfloat16(), v=V.bfloat16(), initial_state=randn(B, H, DK, DV, dtype=torch.bfloat16)),
     case("state-int", TypeError, r"^initial_state must be float32 \(or float64\), got int64$",
          initial_state=torch.zeros(B, H, DK, DV, dtype=torch.int64)),
-    case("state-meta-device", ValueError, r"^initial_state must be on the device of q \(cpu\), got meta$",
+    case("state-meta-device", TypeError, r"^initial_state must hold data \(a CPU or CUDA tensor\), got a tensor on",
          initial_state=randn(B, H, DK, DV, device="meta")),
     case("state-list", TypeError, "^initial_state " + TENSOR_OR_CUDA + "list$",
          initial_state=torch.zeros(B, H, DK, DV).tolist()),

@@ -137,6 +137,26 @@ def test_empty_sequence(method, layout, dtype):
     assert state.data_ptr() != s0.data_ptr(), "the returned state must not alias initial_state"
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("method", ["chunk", "auto"])
+def test_empty_sequence_keeps_the_graph(method, layout):
+    """N = 0 with inputs that require grad: the output and the state carry a grad_fn (nothing is
+    detached silently); the gradients are zero for q, k, v, the decay, and the identity for the
+    initial state (S_N = S_0)."""
+    q, k, v = (x.requires_grad_(True) for x in make_qkv(8, B, H, 0, DK, DV, torch.float64, layout))
+    gam = torch.as_tensor(GAMMAS, dtype=torch.float64).clone().requires_grad_(True)
+    s0 = make_state(9, B, H, DK, DV, torch.float64).requires_grad_(True)
+    out, state = attention(q, k, v, gam, method=method, layout=layout, initial_state=s0, return_state=True)
+    assert out.grad_fn is not None and state.grad_fn is not None
+    g_state = torch.randn_like(state)
+    (out.sum() + (state * g_state).sum()).backward()
+    assert torch.equal(s0.grad, g_state)
+    for x in (q, k, v, gam):
+        assert x.grad is not None and torch.equal(x.grad, torch.zeros_like(x))
+    out = attention(q.detach(), k.detach(), v.detach(), GAMMAS, method=method, layout=layout)
+    assert out.grad_fn is None and not out.requires_grad  # nothing requires grad: no graph
+
+
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_empty_sequence_state_dtype(dtype):
     """The returned state is float64 for float64 inputs and float32 otherwise, whatever the dtype of

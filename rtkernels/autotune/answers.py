@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ENV_AUTOTUNE", "Selection", "selection", "tuned_config", "lookup", "record", "store_for_device",
            "use_store", "forced", "set_autotune_on_miss", "autotune_on_miss", "clear", "generation",
-           "plan_state", "set_miss_tuner"]
+           "plan_state", "set_miss_tuner", "set_config_check"]
 
 #: Environment variable: ``1`` lets the first call of an untuned shape bucket tune it.
 ENV_AUTOTUNE = "RTKERNELS_AUTOTUNE"
@@ -40,9 +40,19 @@ class Selection:
     bucket: str = ""
 
     @classmethod
-    def from_entry(cls, entry: dict, bucket_key: str = "") -> "Selection":
-        configs = {m: freeze(c) for m, c in (entry.get("configs") or {}).items() if isinstance(c, dict)}
-        return cls(str(entry["method"]), configs, bucket_key)
+    def from_entry(cls, entry: dict, bucket_key: str = "") -> Optional["Selection"]:
+        """The selection of a store entry, or None when its method or one of its configs is not
+        one the library knows (checked by :func:`set_config_check`'s function; warned once)."""
+        configs = entry.get("configs") or {}
+        bad = None if isinstance(configs, dict) else f"configs {configs!r}"
+        if bad is None and _config_check is not None:
+            bad = _config_check(entry.get("method"), None) or next(
+                (why for m, c in configs.items() if (why := _config_check(m, c))), None)
+        if bad is not None:
+            _warn_once(f"entry {bucket_key}", f"ignoring the autotune entry {bucket_key or '?'} ({bad}); "
+                                              f"using the heuristics (rtkernels autotune rewrites it)")
+            return None
+        return cls(str(entry["method"]), {m: freeze(c) for m, c in configs.items()}, bucket_key)
 
 
 _MISS = object()
@@ -199,6 +209,19 @@ def _resolve(device_index: int, dtype: Any, bh: int, n: int, dk: int, dv: int) -
 #: ``(problem, device_index) -> TuneResult``: what tunes a bucket on a miss. The GPU side
 #: (:mod:`.cuda`) installs it when it is imported; this module never imports it.
 _miss_tuner: Optional[Callable[[Problem, int], Any]] = None
+
+
+#: ``(method, config or None) -> why it is not valid, or None``: installed by the method registry
+#: (this module never imports the methods); without it, entries are taken as they are.
+_config_check: Optional[Callable[[Any, Optional[dict]], Optional[str]]] = None
+
+
+def set_config_check(fn: Optional[Callable[[Any, Optional[dict]], Optional[str]]]) -> None:
+    """Install what says whether a store entry's method name (config None) or a method's config
+    is one the library can run; entries that fail are ignored with a warning."""
+    global _config_check
+    _config_check = fn
+    clear(stores=False)
 
 
 def set_miss_tuner(fn: Optional[Callable[[Problem, int], Any]]) -> None:

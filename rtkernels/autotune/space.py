@@ -83,11 +83,31 @@ class Space:
     ``check``: the reason a config cannot run or is redundant for a problem (shared memory,
     threads, registers, a segment count the sequence cannot give, ...), or None when it is valid;
     such configs are pruned before anything is compiled.
+    ``open_params``: parameters whose value may be any positive integer (the default may pick one
+    the list does not hold, e.g. a segment count); the others take only the listed values.
     """
 
     params: Mapping[str, tuple]
     default: Callable[[Problem, Limits], dict]
     check: Callable[[Problem, dict, Limits], Optional[str]] = field(default=_no_check)
+    open_params: tuple[str, ...] = ()
+
+    def invalid(self, config: Any) -> Optional[str]:
+        """Why ``config`` (e.g. read from a store file) is not a config of this space, or None:
+        exactly the space's parameters, each value of its parameter's type and among its values
+        (a positive integer for :attr:`open_params`)."""
+        if not isinstance(config, Mapping) or set(config) != set(self.params):
+            return f"config {config!r}: expected the keys {sorted(self.params)}"
+        for key, value in config.items():
+            allowed = self.params[key]
+            if type(value) is not type(allowed[0]):
+                return f"{key}={value!r}: expected a {type(allowed[0]).__name__}"
+            if key in self.open_params:
+                if value < 1:
+                    return f"{key}={value!r}: expected a positive integer"
+            elif value not in allowed:
+                return f"{key}={value!r}: expected one of {list(allowed)}"
+        return None
 
     def configs(self, problem: Problem, limits: Limits) -> list[tuple[dict, Optional[str]]]:
         """Every config of the space for ``problem``, the heuristic one first, each with the reason

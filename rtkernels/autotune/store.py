@@ -14,8 +14,10 @@ Robustness:
   exclusive ``flock`` on ``<file>.lock`` where the platform has one; the file on disk is re-read
   under the lock and this process's entries are merged into it, so concurrent tuners all keep
   their results and the file is always valid JSON.
-* A file that is not valid JSON, or not this format, gives one warning, is ignored, and is
-  rewritten at the next save. A file recorded for another fingerprint (another GPU, another
+* A file that is not UTF-8, not valid JSON, or not this format, gives one warning, is ignored,
+  and is rewritten at the next save. An entry whose method or configs the library does not know
+  (a hand edit, an older version) is dropped with a warning when it is looked up
+  (:mod:`.answers`), and the call uses the heuristics. A file recorded for another fingerprint (another GPU, another
   source hash, ...) is not used.
 * When the directory cannot be written, the store warns once and keeps its results in memory
   for the process.
@@ -71,7 +73,7 @@ class Store:
     def _read(self, quiet: bool = False) -> dict[str, dict]:
         """The entries of the file on disk (empty when it is missing, corrupt or foreign)."""
         try:
-            text = self.path.read_text(encoding="utf-8")
+            raw = self.path.read_bytes()
         except FileNotFoundError:
             return {}
         except OSError as exc:
@@ -79,7 +81,7 @@ class Store:
                 self._warn(f"cannot read the autotune results {self.path} ({exc}); using heuristics")
             return {}
         try:
-            data = json.loads(text)
+            data = json.loads(raw.decode("utf-8"))  # bad bytes: UnicodeDecodeError, a ValueError
             if not isinstance(data, dict) or data.get("format") != FORMAT or \
                     not isinstance(data.get("entries"), dict) or not isinstance(data.get("fingerprint"), dict):
                 raise ValueError(f"not a {FORMAT} file")

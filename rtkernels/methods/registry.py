@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..autotune.answers import plan_state, selection
+from ..autotune.answers import plan_state, selection, set_config_check
 from ..autotune.space import Config, Limits, Problem, Space
 from ..decay import LogDecay
 from ..jit import kernels_available
@@ -160,6 +160,23 @@ def auto_method(q: torch.Tensor, v: torch.Tensor) -> str:
         if sel is not None and sel.method in METHODS:
             return sel.method
     return heuristic_method(q, v)
+
+
+def _entry_problem(method: Any, config: Optional[dict]) -> Optional[str]:
+    """Why an autotune store entry's method (``config`` None) or config of ``method`` is not one
+    this library runs, or None (see :func:`rtkernels.autotune.answers.set_config_check`)."""
+    if not isinstance(method, str) or method not in METHODS:
+        return f"unknown method {method!r}"
+    if config is None:
+        return None
+    kernel = METHODS[method].kernel
+    if kernel is None or kernel.tune_space is None:
+        return f"method {method!r} has no tuned configs"
+    why = kernel.tune_space.invalid(config)
+    return None if why is None else f"{method} {why}"
+
+
+set_config_check(_entry_problem)
 
 
 def plan_epoch() -> tuple:

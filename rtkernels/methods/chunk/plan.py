@@ -398,7 +398,7 @@ def _tune_check(p: Problem, config: dict, limits: Limits) -> Optional[str]:
 #: the shared memory), the rest is pruned with a reason by the check.
 TUNE_SPACE = Space(params={"wgmma": (False, True), "bv": (32, 64, 128),
                            "segments": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)},
-                   default=_tune_default, check=_tune_check)
+                   default=_tune_default, check=_tune_check, open_params=("segments",))
 
 
 @functools.lru_cache(maxsize=1024)
