@@ -42,6 +42,13 @@ def test_corrupt_or_partial_entries_are_compiled_again(cache):
     kc.save(key, kc.CachedKernel(b"img", "_Z1k", "cubin"), (12, 9), "sm_80")
     os.remove(cache / f"{key}.bin")
     assert kc.load(key) is None
+    kc.save(key, kc.CachedKernel(b"image bytes", "_Z1k", "cubin"), (12, 9), "sm_80")
+    (cache / f"{key}.bin").write_bytes(b"image by")  # truncated
+    assert kc.load(key) is None
+    (cache / f"{key}.bin").write_bytes(b"garbage!!!!")  # same length, other bytes
+    assert kc.load(key) is None
+    kc.save(key, kc.CachedKernel(b"image bytes", "_Z1k", "cubin"), (12, 9), "sm_80")
+    assert kc.load(key).image == b"image bytes"  # saved again: found again
     meta = {"format": "something else", "lowered": "_Z1k"}
     (cache / f"{key}.json").write_text(json.dumps(meta))
     (cache / f"{key}.bin").write_bytes(b"img")
@@ -82,3 +89,29 @@ def test_target_a_cubin_for_known_archs_else_ptx_of_the_nearest_older_one(arch, 
                         SimpleNamespace(cubin=b"img", lowered_names={names[0]: "_Z1k"}))
     kernel, nvrtc = jit._compile("scan.cu", "k<1>", arch, ())
     assert (kernel.kind, seen[0]) == want and nvrtc == (13, 0)
+
+
+def _save_from_a_process(root: str, key: str, image: bytes) -> None:
+    os.environ["RTKERNELS_CACHE_DIR"] = root
+    kc.save(key, kc.CachedKernel(image, "_Z1k", "cubin"), (13, 0), "sm_90a")
+
+
+def test_eight_processes_saving_one_kernel_leave_one_valid_entry(tmp_path, monkeypatch):
+    """Eight processes that compiled the same kernel save it into one empty cache at once: every
+    save succeeds and what is left loads, whole (each file lands by rename; the JSON's sha256 ties
+    it to the image beside it)."""
+    import multiprocessing
+
+    key = kc.cache_key("t", "k", (), "sm_90a")
+    image = os.urandom(1 << 20)
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_save_from_a_process, args=(str(tmp_path), key, image)) for _ in range(8)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * 8
+    monkeypatch.setenv("RTKERNELS_CACHE_DIR", str(tmp_path))
+    got = kc.load(key)
+    assert got is not None and got.image == image
+    assert sorted(p.name for p in (tmp_path / "kernels").iterdir()) == sorted([f"{key}.bin", f"{key}.json", "nvrtc.json"])

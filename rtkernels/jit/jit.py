@@ -16,7 +16,7 @@ import importlib.util
 import struct
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -161,15 +161,17 @@ class Kernel:
         return {k: driver.func_get_attribute(self._ptr, a) for k, a in attr.items()}
 
     @staticmethod
-    def _layout(args: Sequence[Any], pointers: int) -> tuple[struct.Struct, Any, int]:
+    def _layout(args: Sequence[Any], pointers: Optional[int]) -> tuple[struct.Struct, Any, int]:
         """The packer of ``args``, its buffer, and the kernel-parameter array: one slot per
-        pointer, then the start of the struct (the remaining fields)."""
+        pointer, then the start of the struct (the remaining fields); ``pointers`` None: one slot
+        per argument (a kernel of 8-byte parameters only)."""
         import ctypes
 
         fmt = "<" + "".join("d" if isinstance(a, float) else "q" for a in args)
         buf = ctypes.create_string_buffer(8 * len(args))
         base = ctypes.addressof(buf)
-        params = (ctypes.c_void_p * (pointers + 1))(*[base + 8 * i for i in range(pointers + 1)])
+        slots = len(args) if pointers is None else min(len(args), pointers + 1)
+        params = (ctypes.c_void_p * slots)(*[base + 8 * i for i in range(slots)])
         return struct.Struct(fmt), (buf, params), ctypes.addressof(params)
 
     def bind(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, device_index: int,
@@ -179,9 +181,10 @@ class Kernel:
         return BoundLaunch(self, grid, block, shared_mem, device_index, n_head, tuple(tail))
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: Sequence[Any],
-               shared_mem: int, device_index: int, pointers: int) -> None:
+               shared_mem: int, device_index: int, pointers: Optional[int] = None) -> None:
         """Launch on torch's current stream: ``args`` are the ``pointers`` pointer parameters,
-        then the fields of the kernel's struct parameter."""
+        then the fields of the kernel's struct parameter (``pointers`` None: every argument is
+        one 8-byte parameter, as before the struct)."""
         stream = _raw_stream(device_index)
         with self._lock:
             layout = self._layouts.get((len(args), pointers))
@@ -238,7 +241,7 @@ class BoundLaunch:
 
 
 def launch(fn: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int],
-           args: Sequence[Any], device_index: int, shared_mem: int = 0, *, pointers: int) -> None:
+           args: Sequence[Any], device_index: int, shared_mem: int = 0, *, pointers: Optional[int] = None) -> None:
     """Launch ``fn`` on torch's current stream of ``device_index`` (asynchronous): ``args`` are
     its ``pointers`` pointer parameters, then the fields of its struct parameter."""
     if torch.cuda.current_device() == device_index:

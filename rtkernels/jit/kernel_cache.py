@@ -7,7 +7,8 @@ NVRTC: the first call of a process costs the module load (about 15 ms).
 Key: sha256 over the inlined source text (headers included), the template instance, the NVRTC
 options and the target architecture. Files, under :func:`kernels_dir` (``cache_dir()/"kernels"``,
 ``$RTKERNELS_CACHE_DIR`` overrides the root): ``<key>.bin`` (the image) and ``<key>.json``
-(``lowered`` name, ``kind`` "cubin" or "ptx", ``nvrtc`` version, ``arch``), both written
+(``lowered`` name, ``kind`` "cubin" or "ptx", ``nvrtc`` version, ``arch``, the image's
+``sha256``, checked at every load: a truncated or garbage image is compiled again), both written
 atomically (temporary file, then ``os.replace``), the JSON last, so a reader that finds the JSON
 finds the whole image. ``nvrtc.json`` records the NVRTC version of the newest compile: what the
 kernels a warm process runs were compiled with, and what the autotune store's device fingerprint
@@ -27,7 +28,7 @@ from .files import atomic_write, cache_dir
 
 __all__ = ["kernels_dir", "cache_key", "load", "save", "recorded_nvrtc", "CachedKernel"]
 
-_FORMAT = "rtkernels-kernel-cache-1"
+_FORMAT = "rtkernels-kernel-cache-2"  # 2: the JSON records the image's sha256
 _warned = False
 
 
@@ -60,7 +61,8 @@ def load(key: str) -> Optional[CachedKernel]:
     try:
         meta = json.loads((d / f"{key}.json").read_text())
         image = (d / f"{key}.bin").read_bytes()
-        if meta.get("format") != _FORMAT or not image:
+        # a truncated or overwritten image (a crash, a disk error, two writers' halves) is a miss
+        if meta.get("format") != _FORMAT or not image or meta.get("sha256") != hashlib.sha256(image).hexdigest():
             return None
         return CachedKernel(image, str(meta["lowered"]), str(meta.get("kind", "cubin")))
     except (OSError, ValueError, KeyError, TypeError):
@@ -72,7 +74,8 @@ def save(key: str, kernel: CachedKernel, nvrtc: Sequence[int], arch: str) -> Non
     global _warned
     d = kernels_dir()
     version = ".".join(str(x) for x in nvrtc)
-    meta = {"format": _FORMAT, "lowered": kernel.lowered, "kind": kernel.kind, "nvrtc": version, "arch": arch}
+    meta = {"format": _FORMAT, "lowered": kernel.lowered, "kind": kernel.kind, "nvrtc": version, "arch": arch,
+            "sha256": hashlib.sha256(kernel.image).hexdigest()}
     try:
         d.mkdir(parents=True, exist_ok=True)
         atomic_write(d / f"{key}.bin", kernel.image)
