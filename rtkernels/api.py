@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from .autograd import attention_with_grad, needs_grad, track_decay
-from .decay import KIND_FACTOR, KIND_RATE, LogDecay, strict
+from . import decay as _decay
+from .decay import KIND_FACTOR, KIND_RATE, LogDecay
 from . import call_cache
 from .methods import METHODS, auto_method, run_method
 from .jit.dtypes import compute_dtype
@@ -148,7 +149,7 @@ def _check_factor_or_rate(value: Any, name: str, h: int, device: torch.device) -
                 _host_logs.clear()
             _host_logs[(is_rate, values)] = logs
         return LogDecay(device, host=logs)
-    if strict():  # opt-in: the range check on the host, one sync
+    if _decay.strict():  # opt-in: the range check on the host, one sync
         x = t.to(torch.float64)
         good = (x >= 0) & (x < math.inf) if is_rate else (x > 0) & (x <= 1)
         if not bool(good.all()):
@@ -256,7 +257,7 @@ def causal_linear_attention(
             out = torch.empty_like(v) if hit.like_v else torch.empty(hit.out_shape, dtype=hit.dtype, device=hit.device)
             # a CUDA decay tensor is read where it is: the launch takes its pointer
             state = hit.launcher(q, k, v, out, initial_state,
-                                 (decay if decay_rate is None else decay_rate).data_ptr() if hit.device_decay else None)
+                                 (decay if decay_rate is None else decay_rate) if hit.device_decay else None)
             return (out, state) if return_state else out
     qt, kt, vt, kind = _check_inputs(q, k, v, layout)
     if not _is_number(scale):

@@ -80,11 +80,11 @@ class ChunkLaunch:
                 (nseg, bh, h, dk * dv, seg_len, n - (nseg - 1) * seg_len, mode))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 initial_state: Optional[torch.Tensor] = None, decay_ptr: Optional[int] = None
-                 ) -> Optional[torch.Tensor]:
-        """Launch on new tensors; ``decay_ptr``: the address of a decay argument of the planned
-        mode (:meth:`LogDecay.kernel_arg`; a CUDA decay tensor of the planned dtype and stride) in
-        place of the planned one, or None: the planned decay."""
+                 initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None,
+                 decay_ptr: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Launch on new tensors; ``decay``: a CUDA decay tensor of the planned dtype and stride in
+        place of the planned one (the cached call's), or ``decay_ptr``, the address of one (a
+        :meth:`LogDecay.kernel_arg` of the planned mode); neither: the planned decay."""
         s0 = initial_state
         if s0 is not None and (s0.dtype != torch.float32 or not s0.is_contiguous()):
             s0 = s0.to(torch.float32).contiguous()
@@ -92,7 +92,7 @@ class ChunkLaunch:
         final = torch.empty(self.state_shape, dtype=torch.float32, device=self.device) if self.need_state else None
         fp = 0 if final is None else final.data_ptr()
         qp, kp, vp, op = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-        dp = self.decay_ptr if decay_ptr is None else decay_ptr
+        dp = decay.data_ptr() if decay is not None else self.decay_ptr if decay_ptr is None else decay_ptr
         if self.offsets is not None:
             oq, ok, ov, oo = self.offsets
             qp, kp, vp, op = qp + oq, kp + ok, vp + ov, op + oo
