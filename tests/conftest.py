@@ -11,6 +11,18 @@ settings.register_profile("dev", max_examples=60, deadline=None,
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_configure(config):
+    """Each test run gets its own cache directory (compiled kernels and the autotune store), so
+    what this machine tuned or cached never changes which configurations the tests exercise. Set
+    once in the controlling process: xdist workers inherit it and share the compiled kernels.
+    ``RTKERNELS_TEST_CACHE_DIR`` names a directory to use instead (to keep kernels across runs)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        import tempfile
+
+        os.environ["RTKERNELS_CACHE_DIR"] = (os.environ.get("RTKERNELS_TEST_CACHE_DIR")
+                                             or tempfile.mkdtemp(prefix="rtkernels-tests-"))
+
+
 def _gpu_ready() -> bool:
     from rtkernels.jit import cupy_available
 
