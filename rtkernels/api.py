@@ -135,7 +135,12 @@ def _check_factor_or_rate(value: Any, name: str, h: int, device: torch.device) -
     if t.device != device and t.device.type != "cpu":
         raise ValueError(f"{name} must be on the device of q ({device}) or on the CPU, got {t.device}")
     if t.requires_grad and torch.is_grad_enabled():  # a trainable decay: checked as a plain tensor, then tracked
-        return track_decay(_check_factor_or_rate(t.detach(), name, h, device), t, is_rate)
+        checked = _check_factor_or_rate(t.detach(), name, h, device)
+        if checked.raw is None:  # a CPU tensor: its log in torch operations carries the gradient
+            return track_decay(checked, t, is_rate)
+        # a CUDA tensor is its own source: the backward applies the chain rule (no forward ops)
+        checked.source, checked.source_kind = t, checked.kind
+        return checked
     t = t.detach()
     if t.device.type == "cpu":  # checked on the host; nothing reaches the device but a cached tensor
         values = tuple(t.tolist())

@@ -53,9 +53,12 @@ tokens how many t lie between them (a weight <= C, never a power of gamma^-1),
 is ``sum((t-s) A ⊙ (dO V^T))``). No term cancels against another, so gamma -> 0 gives a
 gradient of the size of gamma, accurate to the last bits, and gamma = 1 is an ordinary value.
 ``decay`` given as factors gets ``dL/dgamma = dlog(gamma) / gamma``, ``decay_rate`` gets
-``dL/dr = -dlog(gamma)``: autograd applies these through the differentiable ``log``/``neg`` of
-:func:`track_decay` (log(gamma) is clamped at ``LOG_DECAY_MIN`` as in the forward, so a rate
-beyond 1e4 gets a zero gradient, the gradient of the clamped operator).
+``dL/dr = -dlog(gamma)`` (log(gamma) is clamped at ``LOG_DECAY_MIN`` as in the forward, so a rate
+beyond 1e4 gets a zero gradient, the gradient of the clamped operator). A CUDA decay tensor is
+the Function's input itself and the backward applies the chain rule (the kernel backward in the
+launch that sums the decay gradient; elsewhere :meth:`~rtkernels.decay.LogDecay.source_grad`), so
+the forward runs no operation for it; a CPU tensor goes through the differentiable ``log``/``neg``
+of :func:`track_decay`.
 
 :func:`torch_backward`: work O(N C (Dk + Dv) + N Dk Dv), like the forward. Memory: the saved q,
 k, v (input dtype) and initial state; inside the backward O(N (Dk + Dv + C)) for the chunked
@@ -108,6 +111,9 @@ class Grads(NamedTuple):
     v: torch.Tensor
     initial_state: Optional[torch.Tensor]
     log_decay: Optional[torch.Tensor]
+    #: ``log_decay`` is already dL/d(the decay source) (:attr:`LogDecay.source`; the chain rule applied
+    #: by the implementation) rather than dL/dlog(gamma)
+    decay_is_source: bool = False
 
 
 #: ``(q, k, v, log_decay, scale, initial_state, grad_out, grad_state, need_state_grad,
@@ -306,11 +312,15 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
         g = grad_out.transpose(1, 2) if call.bnhd else grad_out
         grads = backward_impl(q, v)(q, k, v, call.log_decay, call.scale, s0, g, grad_state, need_s0, need_decay,
                                     call.fp32_precision)
+        d_decay = None
+        if need_decay:
+            d_decay = grads.log_decay if grads.decay_is_source else call.log_decay.source_grad(grads.log_decay)
+            d_decay = d_decay.to(*ctx.source_meta)
         return (None,
                 grads.q.to(q.dtype) if need_q else None,
                 grads.k.to(k.dtype) if need_k else None,
                 grads.v.to(v.dtype) if need_v else None,
-                grads.log_decay.to(*ctx.source_meta) if need_decay else None,
+                d_decay,
                 grads.initial_state.to(s0.dtype) if need_s0 else None,
                 None)
 

@@ -11,8 +11,10 @@ operations. A value outside the domain (gamma not in (0, 1], a rate not in [0, i
 raise without a sync, so it becomes a NaN log(gamma): that head's outputs and state are NaN.
 :func:`rtkernels.set_strict_decay` turns the check back on (one sync per call, ``ValueError``).
 
-A decay tensor that requires grad also keeps ``source``: the same clamped log(gamma) as a
-differentiable function of the caller's tensor (see :mod:`rtkernels.autograd`).
+A decay tensor that requires grad also keeps ``source``, what autograd differentiates: a CUDA
+tensor is its own source (``source_kind`` factors or rates; the backward applies the chain rule
+itself, :meth:`LogDecay.source_grad`, so the forward runs no extra operation); a CPU tensor's
+source is its clamped log(gamma) computed in torch operations (see :mod:`rtkernels.autograd`).
 """
 
 from __future__ import annotations
@@ -86,13 +88,15 @@ class LogDecay:
     """``log(gamma_h)`` for every head (values <= 0, or NaN for a device value outside the
     domain), in whatever dtype a method asks for, and the argument the kernels read."""
 
-    __slots__ = ("host", "raw", "kind", "device", "source", "_held")
+    __slots__ = ("host", "raw", "kind", "device", "source", "source_kind", "_held")
 
     def __init__(self, device: torch.device, host: Optional[tuple[float, ...]] = None,
                  raw: Optional[torch.Tensor] = None, kind: int = KIND_FACTOR):
         self.device = device
         #: ``[H]`` log(gamma) with autograd history back to a decay tensor that requires grad, or None
         self.source: Optional[torch.Tensor] = None
+        #: what ``source`` holds: KIND_LOG (log(gamma)), or KIND_FACTOR / KIND_RATE (the caller's tensor)
+        self.source_kind = KIND_LOG
         # per-head log values known on the host, or None
         if host is not None and min(host, default=0.0) < LOG_DECAY_MIN:
             host = tuple(max(x, LOG_DECAY_MIN) for x in host)
@@ -116,6 +120,20 @@ class LogDecay:
                 self._held = _cached(self.host, self.device, torch.float32)
             return self._held.data_ptr(), decay_mode(torch.float32, KIND_LOG, 1)
         return self.raw.data_ptr(), decay_mode(self.raw.dtype, self.kind, self.raw.stride(0))
+
+    def source_grad(self, d_log: torch.Tensor) -> torch.Tensor:
+        """dL/d``source`` from dL/dlog(gamma) (``[H]``): itself for a log source; for the caller's
+        factors dL/dgamma = d_log / gamma, for rates dL/dr = -d_log, 0 where the forward clamped
+        log(gamma) (a rate beyond 1e4), NaN where a value is outside the domain. In d_log's dtype
+        (float64 arithmetic); the chain rule of ``rtk_chunk_decay_grad_sum`` in torch operations."""
+        if self.source_kind == KIND_LOG:
+            return d_log
+        x, d = self.raw.to(torch.float64), d_log.to(torch.float64)
+        if self.source_kind == KIND_FACTOR:
+            g = torch.where((x > 0) & (x <= 1), d / x, math.nan)
+        else:
+            g = torch.where((x >= 0) & (x < math.inf), torch.where(-x >= LOG_DECAY_MIN, -d, 0.0), math.nan)
+        return g.to(d_log.dtype)
 
     @staticmethod
     def from_rate_or_factor(x: float, is_rate: bool, h: int, device: torch.device) -> "LogDecay":

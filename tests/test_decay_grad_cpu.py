@@ -131,3 +131,34 @@ def test_cpu_kernel_backward_keeps_the_torch_formula(monkeypatch):
     ld = LogDecay(torch.device("cpu"), host=tuple(math.log(x) for x in GAMMAS))
     got = kb.kernel_backward(q, k, v, ld, 0.5, s0, g, g_state, True, True).log_decay
     assert torch.equal(got, rk_autograd.log_decay_grad(q, k, v, ld, 0.5, s0, g, g_state))
+
+
+@pytest.mark.parametrize("kind", ("factor", "rate"))
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64, torch.bfloat16))
+def test_source_grad_is_autograd_through_the_clamped_log(kind, dtype):
+    """LogDecay.source_grad (the chain rule a CUDA decay tensor gets, also what
+    rtk_chunk_decay_grad_sum computes): equal to autograd through the clamped log(gamma) that a CPU
+    decay tensor goes through, zero where a rate is clamped, NaN for a value outside the domain."""
+    from rtkernels.decay import KIND_FACTOR, KIND_RATE, LOG_DECAY_MIN
+
+    if kind == "factor":
+        good = torch.tensor([1e-6, 0.5, 0.99, 1.0], dtype=dtype)
+        bad = torch.tensor([0.0, 1.5, -0.1, math.nan], dtype=dtype)
+    else:
+        good = torch.tensor([0.0, 0.01, 3.0, 2e4], dtype=dtype)  # 2e4: clamped, gradient 0
+        bad = torch.tensor([-1.0, math.inf, math.nan, -0.5], dtype=dtype)
+    d_log = torch.tensor([0.3, -1.25, 2.0, 0.7], dtype=torch.float32)
+    for values in (good, bad):
+        ld = LogDecay(torch.device("cpu"), raw=values, kind=KIND_FACTOR if kind == "factor" else KIND_RATE)
+        ld.source_kind = ld.kind
+        got = ld.source_grad(d_log)
+        assert got.dtype == torch.float32
+        if values is bad:
+            assert torch.isnan(got).all(), got
+            continue
+        x = values.to(F64).requires_grad_(True)
+        lg = (torch.log(x) if kind == "factor" else -x).clamp(min=LOG_DECAY_MIN)
+        (lg * d_log.to(F64)).sum().backward()
+        assert torch.allclose(got.to(F64), x.grad, rtol=1e-6, atol=0), (got, x.grad)
+        if kind == "rate":
+            assert got[3] == 0

@@ -187,3 +187,29 @@ def test_backward_uses_the_kernel(monkeypatch, form):
     want = _want(q, k, v, grad, s0, g_state)  # d/dlog(gamma); d/dgamma = that / gamma, d/drate = -that
     want = want / factors.double() if form == "decay" else -want
     assert ((d.grad.double() - want).abs() <= REL_FRO[torch.bfloat16] * want.abs()).all(), (d.grad, want)
+
+
+@pytest.mark.parametrize("kind", ("factor", "rate"))
+@pytest.mark.parametrize("decay_dtype", (torch.float32, torch.float64, torch.bfloat16), ids=str)
+def test_sum_kernel_applies_the_chain_rule_of_the_source(kind, decay_dtype):
+    """rtk_chunk_decay_grad_sum with a CUDA decay tensor of factors or rates (strided, any float
+    dtype) gives what LogDecay.source_grad computes from the plain dlog(gamma) sum: the gradient of
+    the caller's tensor, 0 where a rate is clamped, NaN outside the domain."""
+    from rtkernels.decay import KIND_FACTOR, KIND_RATE
+
+    if kind == "factor":
+        values = [1e-6, 0.5, 0.9, 0.99, 1.5, 1.0]  # 1.5: outside the domain
+    else:
+        values = [-math.log(x) for x in (1e-6, 0.5, 0.9, 0.99)] + [2e4, -1.0]  # 2e4 clamped, -1 invalid
+    raw = torch.tensor([x for x in values for _ in range(2)], dtype=decay_dtype, device="cuda")[::2]
+    ld = LogDecay(torch.device("cuda"), raw=raw, kind=KIND_FACTOR if kind == "factor" else KIND_RATE)
+    ld.source_kind = ld.kind
+    q, k, v, grad, s0, g_state = _inputs(130, 40, 72, torch.bfloat16, False, 7)
+    plain = decay_grad.kernel_log_decay_grad(q, k, v, ld, SCALE, s0, grad, g_state)
+    got = decay_grad.kernel_log_decay_grad(q, k, v, ld, SCALE, s0, grad, g_state, for_source=True)
+    want = ld.source_grad(plain)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got).sum() == 1, (got, want)
+    ok = ~torch.isnan(want)
+    assert torch.allclose(got[ok], want[ok], rtol=1e-6, atol=0), (got, want)
+    if kind == "rate":
+        assert got[4] == 0

@@ -56,8 +56,8 @@
 // The tile's share of the intra term (do . v over its columns) and of <S, A1>, <W, A2>, <G, W>
 // (its columns) add up over the value tiles to the whole. Each thread keeps fp32 partial sums; the
 // CTA reduces them in a fixed order (warp shuffles, then warp 0..7 through shared memory, no
-// atomics) and writes partial[(b * gridDim.y + tile) * H + h]; the host sums over batches and
-// tiles (deterministic).
+// atomics) and writes partial[(b * gridDim.y + tile) * H + h]; rtk_chunk_decay_grad_sum adds them
+// over batches and tiles in a fixed order (deterministic).
 //
 // NaN: any NaN in q, k, v or do of a (batch, head) reaches its partial sum (products with weight
 // 0 included); the state terms keep NaN through S and W.

@@ -19,17 +19,21 @@
 // long before, and log(gamma) * 0 stays 0 instead of -inf * 0 = NaN.
 #define RTK_LOG_DECAY_MIN (-1.0e4)
 
+// The caller's value for head h, as stored (any of the four float types, any element stride).
+__device__ __forceinline__ double rtk_head_decay_value(const void* decay, rtk_i64 mode, int h) {
+  const rtk_i64 i = (mode >> 8) * h;
+  switch (mode & 3) {
+    case RTK_DECAY_F32: return static_cast<const float*>(decay)[i];
+    case RTK_DECAY_F64: return static_cast<const double*>(decay)[i];
+    case RTK_DECAY_F16: return rtk_io<RTK_F16>::load(static_cast<const rtk_u16*>(decay) + i);
+    default: return rtk_io<RTK_BF16>::load(static_cast<const rtk_u16*>(decay) + i);
+  }
+}
+
 // Not inlined: a call in the prologue costs nothing measurable, while the inlined fp64 log and
 // type switch shifted the register allocation of the main loops (spills in several instances).
 __device__ __noinline__ float rtk_head_log_decay(const void* decay, rtk_i64 mode, int h) {
-  const rtk_i64 i = (mode >> 8) * h;
-  double x;
-  switch (mode & 3) {
-    case RTK_DECAY_F32: x = static_cast<const float*>(decay)[i]; break;
-    case RTK_DECAY_F64: x = static_cast<const double*>(decay)[i]; break;
-    case RTK_DECAY_F16: x = rtk_io<RTK_F16>::load(static_cast<const rtk_u16*>(decay) + i); break;
-    default: x = rtk_io<RTK_BF16>::load(static_cast<const rtk_u16*>(decay) + i); break;
-  }
+  const double x = rtk_head_decay_value(decay, mode, h);
   const double nan = __longlong_as_double(0x7ff8000000000000LL);
   double lg = x;  // RTK_DECAY_LOG: checked on the host
   const int kind = (int)((mode >> 2) & 3);

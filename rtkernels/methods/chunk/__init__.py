@@ -59,4 +59,5 @@ def instances() -> dict[str, list[str]]:
     """Every template instance the chunk method can ask for, by source: the forward kernels
     (:func:`.plan.instances`) and the backward's dlog(gamma) kernel (the CI compile test)."""
     return {**_fwd_instances(),
-            decay_grad.SOURCE: [decay_grad.name_expression(c) for c in decay_grad.all_configs()]}
+            decay_grad.SOURCE: [decay_grad.name_expression(c) for c in decay_grad.all_configs()],
+            decay_grad.SUM_SOURCE: [decay_grad.SUM_KERNEL]}

@@ -94,15 +94,17 @@ def kernel_runs(*tensors: torch.Tensor) -> bool:
 
 def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                  out: torch.Tensor, initial_state: Optional[torch.Tensor], need_state: bool,
-                 reverse: bool, fp32_precision: str = "exact") -> Optional[torch.Tensor]:
+                 reverse: bool, fp32_precision: str = "exact", on_kernel: Optional[bool] = None
+                 ) -> Optional[torch.Tensor]:
     """The forward operator into ``out`` (``[B, H, N, Dv]``), in token order or, with ``reverse``,
     on the reversed sequence with its output written back in reverse order (``initial_state``
     entering before token N-1, the final state, returned when ``need_state``, after token 0).
 
     The ``chunk`` kernel where it takes q, k, v and ``out`` (reversal by negated strides, no copy);
     otherwise the torch ``chunk`` path in the compute dtype on ``torch.flip``-ped copies.
-    Work O(N C (Dk + Dv) + N Dk Dv)."""
-    if kernel_runs(q, k, v, out):
+    Work O(N C (Dk + Dv) + N Dk Dv). ``on_kernel``: :func:`kernel_runs` for these operands, if the
+    caller knows it already."""
+    if kernel_runs(q, k, v, out) if on_kernel is None else on_kernel:
         return launch.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state, fp32_precision,
                                      reverse=reverse)
     if not reverse:
@@ -149,9 +151,9 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
     mode = fp32_precision
-    forward_pass(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, mode)
-    forward_pass(v, grad_out, q, log_decay, scale, dk, None, False, True, mode)
-    back = forward_pass(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, mode)
+    forward_pass(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, mode, on_kernel)
+    forward_pass(v, grad_out, q, log_decay, scale, dk, None, False, True, mode, on_kernel)
+    back = forward_pass(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, mode, on_kernel)
     # log(gamma) in torch only where the state terms need it (a device decay costs several ops)
     lg = log_decay.tensor(cdt) if need_state_grad or grad_state is not None else None
     d_s0 = back.to(cdt) * (scale * torch.exp(lg)).view(-1, 1, 1) if need_state_grad else None
@@ -161,11 +163,14 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
         _add_state_term(dv, k, g_state, lg)
         if need_state_grad:
             d_s0 += torch.exp(lg * n).view(-1, 1, 1) * g_state
-    d_log = None
+    d_log, of_source = None, False
     if need_decay_grad:
-        dlog_fn = kernel_log_decay_grad if on_kernel and q.dtype != torch.float32 else log_decay_grad
-        d_log = dlog_fn(q, k, v, log_decay, scale, initial_state, grad_out, grad_state)
-    return Grads(dq, dk, dv, d_s0, d_log)
+        if on_kernel and q.dtype != torch.float32:  # the sum kernel applies the decay's chain rule too
+            d_log, of_source = kernel_log_decay_grad(q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
+                                                     for_source=True), True
+        else:
+            d_log = log_decay_grad(q, k, v, log_decay, scale, initial_state, grad_out, grad_state)
+    return Grads(dq, dk, dv, d_s0, d_log, of_source)
 
 
 def supports(q: torch.Tensor, v: torch.Tensor) -> bool:

@@ -27,8 +27,8 @@ fp32 registers in one mma fragment layout, so ``<S, A1> + <W, A2>`` (the first t
 of q k^T and do v^T by mma. Operands are the 16-bit inputs; a per-token weight multiplies one
 operand in fp32 and is rounded once to 16 bits (normalised to at most 1 first, so fp16 neither
 overflows nor loses a small gamma to its subnormals); accumulation is fp32 throughout. Each CTA
-writes one partial sum (reduced in a fixed order); the host sums them over batches and tiles in
-float64: deterministic, no atomics.
+writes one partial sum (reduced in a fixed order); a second launch sums them over batches and tiles in
+float64, per head in a fixed order: deterministic, no atomics.
 
 Work per CTA and chunk: four KMAX x BV x 64 products and the causal block of two 64 x 64 score
 matrices (q k^T over KMAX, recomputed for each value tile; do v^T over BV): about one forward
@@ -49,10 +49,12 @@ from ...jit import dtype_code, get_function, launch
 from .._launch import fwd_tail, unit_stride
 from .plan import _sm_count, aligned
 
-__all__ = ["SOURCE", "CHUNK", "kernel_config", "all_configs", "name_expression", "smem_bytes",
+__all__ = ["SOURCE", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "all_configs", "name_expression", "smem_bytes",
            "kernel_log_decay_grad", "torch_w_recurrence"]
 
 SOURCE = "chunk/decay_grad.cu"
+#: The kernel that sums the partial sums per head (and applies the decay's chain rule).
+SUM_SOURCE, SUM_KERNEL = "chunk/decay_grad_sum.cu", "rtk_chunk_decay_grad_sum"
 #: Tokens per chunk (the kernel's and :func:`torch_w_recurrence`'s).
 CHUNK = 64
 
@@ -96,11 +98,16 @@ def _plan(dtype: torch.dtype, dk: int, dv: int, vec: bool, few_ctas: bool = Fals
 
 def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                           initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
-                          grad_state: Optional[torch.Tensor]) -> torch.Tensor:
+                          grad_state: Optional[torch.Tensor], *, for_source: bool = False) -> torch.Tensor:
     """dL/dlog(gamma), ``[H]`` float32, by the kernel (arguments as a
     :data:`~rtkernels.autograd.BackwardImpl`'s: ``[B, H, N, D]`` views of one 16-bit dtype on one
     CUDA device, Dk and Dv <= 256, any strides; ``grad_out`` = dL/do). Views without a unit last
-    stride are copied; the initial state and ``grad_state`` are used as fp32 contiguous copies."""
+    stride are copied; the initial state and ``grad_state`` are used as fp32 contiguous copies.
+
+    Two launches: the partial sums, then ``rtk_chunk_decay_grad_sum`` (``chunk/decay_grad_sum.cu``),
+    which adds them per head in a fixed order in fp64; with ``for_source`` and a CUDA decay tensor
+    of factors or rates it also applies the chain rule (:meth:`LogDecay.source_grad`'s), giving
+    dL/d(the caller's tensor) in float32 instead."""
     b, h, n, dk = q.shape
     dv = v.shape[-1]
     q, k, v, grad_out = unit_stride(q, k, v, grad_out)
@@ -116,7 +123,12 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
             0 if s0 is None else s0.data_ptr(), 0 if g is None else g.data_ptr(), partial.data_ptr(),
             *fwd_tail(q, k, v, grad_out, float(scale), mode))
     launch(fn, (b * h, tiles, 1), (256, 1, 1), args, dev, shared_mem=smem, pointers=8)  # then rtk_fwd_shape
-    return partial.sum(dim=(0, 1), dtype=torch.float64).to(torch.float32)
+    out = torch.empty(h, dtype=torch.float32, device=q.device)
+    if not for_source:  # the log kind: the sum alone, the decay argument never read
+        mode &= ~(3 << 2)
+    launch(get_function(SUM_SOURCE, SUM_KERNEL, dev), (-(-h // 128), 1, 1), (128, 1, 1),
+           (partial.data_ptr(), out.data_ptr(), decay, b * tiles, h, mode), dev, pointers=3)
+    return out
 
 
 def torch_w_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, scale: float,
