@@ -201,6 +201,26 @@ def _check_fp32_precision(value: Any) -> str:
     return value
 
 
+def _cached_with_grad(hit: call_cache.CachedCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      decay: Any, initial_state: Optional[torch.Tensor]) -> Any:
+    """A cached call with autograd history: the full path's autograd Function around the cached
+    launch (the signature fixed everything the checks looked at; a CUDA decay tensor is wrapped
+    afresh, being the Function's input)."""
+    g = hit.grad
+    if g.host_decay is not None:
+        log_decay = g.host_decay
+    else:
+        log_decay = LogDecay(hit.device, raw=decay.detach(), kind=g.decay_kind)
+        if decay.requires_grad:
+            log_decay.source, log_decay.source_kind = decay, g.decay_kind
+    out = torch.empty_like(v) if hit.like_v else torch.empty(hit.out_shape, dtype=hit.dtype, device=hit.device)
+    if g.bnhd:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out, state = attention_with_grad(g.method, q, k, v, log_decay, g.scale, out, "bnhd" if g.bnhd else "bhnd",
+                                     initial_state, g.return_state, g.fp32_precision, hit.launcher)
+    return (out, state) if g.return_state else out
+
+
 def causal_linear_attention(
     q: Array, k: Array, v: Array, decay: Union[None, float, Array] = None, *,
     decay_rate: Union[None, float, Array] = None, scale: float = 1.0, method: str = "auto",
@@ -258,6 +278,8 @@ def causal_linear_attention(
     key = call_cache.call_key(q, k, v, decay, decay_rate, scale, method, layout, initial_state, return_state, fp32_precision)
     if key is not None:
         hit = call_cache.lookup(key)
+        if hit is not None and hit.grad is not None:
+            return _cached_with_grad(hit, q, k, v, decay if decay_rate is None else decay_rate, initial_state)
         if hit is not None:
             out = torch.empty_like(v) if hit.like_v else torch.empty(hit.out_shape, dtype=hit.dtype, device=hit.device)
             # a CUDA decay tensor is read where it is: the launch takes its pointer
@@ -305,8 +327,18 @@ def causal_linear_attention(
         name = auto_method(qt, vt) if method == "auto" else method
         m = METHODS[name]
         if needs_grad(kind, qt, kt, vt, s0, log_decay):  # every method: its forward, then the chunked backward
+            launcher = None
+            if (key is not None and m.kernel_prepare is not None and m.uses_kernel(qt, vt)
+                    and qt.stride(-1) == kt.stride(-1) == vt.stride(-1) == 1):  # plan, and cache the plan
+                launcher = m.kernel_prepare(qt, kt, vt, log_decay, scale, out_view, return_state,
+                                            fp32_precision=fp32_precision)
             out, state = attention_with_grad(name, qt, kt, vt, log_decay, scale, out, layout, s0, return_state,
-                                             fp32_precision)
+                                             fp32_precision, launcher)
+            if launcher is not None:
+                device_decay = log_decay.raw is not None
+                call_cache.remember(key, launcher, out, v, device_decay, call_cache.GradCall(
+                    name, scale, layout == "bnhd", return_state, fp32_precision,
+                    None if device_decay else log_decay, log_decay.kind))
         elif (key is not None and m.kernel_prepare is not None and m.uses_kernel(qt, vt)
               and qt.stride(-1) == kt.stride(-1) == vt.stride(-1) == 1):  # plan, run, and cache the plan
             launcher = m.kernel_prepare(qt, kt, vt, log_decay, scale, out_view, return_state,

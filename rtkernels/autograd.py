@@ -80,7 +80,7 @@ head's sum).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -280,6 +280,8 @@ class _Call:
     return_state: bool
     #: "exact" or "tf32": the mode of a float32 ``chunk`` kernel forward (ignored elsewhere).
     fp32_precision: str = "exact"
+    #: a planned kernel launch for the forward (the cached call's), else None: ``method`` runs
+    launcher: Any = None
 
 
 class CausalLinearAttentionFunction(torch.autograd.Function):
@@ -295,8 +297,11 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
                 log_decay_source: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
                 out: torch.Tensor):
         out_view = out.transpose(1, 2) if call.bnhd else out
-        state = run_method(call.method, q, k, v, call.log_decay, call.scale, out_view, initial_state,
-                           call.return_state, fp32_precision=call.fp32_precision)
+        if call.launcher is not None:  # a CUDA decay tensor is passed as it is (the launch reads it)
+            state = call.launcher(q, k, v, out_view, initial_state, call.log_decay.raw)
+        else:
+            state = run_method(call.method, q, k, v, call.log_decay, call.scale, out_view, initial_state,
+                               call.return_state, fp32_precision=call.fp32_precision)
         ctx.mark_dirty(out)
         ctx.save_for_backward(q, k, v, initial_state)
         ctx.call = call
@@ -356,11 +361,12 @@ def needs_grad(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def attention_with_grad(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay,
                         scale: float, out: torch.Tensor, layout: str, initial_state: Optional[torch.Tensor],
-                        return_state: bool, fp32_precision: str = "exact"
+                        return_state: bool, fp32_precision: str = "exact", launcher: Any = None
                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Run ``method`` (a name of ``METHODS``) on the ``[B, H, N, D]`` views q, k, v into ``out`` (the
     empty output in ``layout``) with autograd history: ``(out, final_state or None)``.
-    ``fp32_precision`` is the forward's float32 mode, as for :func:`rtkernels.methods.run_method`."""
-    call = _Call(method, log_decay, scale, layout == "bnhd", return_state, fp32_precision)
+    ``fp32_precision`` is the forward's float32 mode, as for :func:`rtkernels.methods.run_method`;
+    ``launcher``: a planned kernel launch of ``method`` for these inputs (the forward runs it)."""
+    call = _Call(method, log_decay, scale, layout == "bnhd", return_state, fp32_precision, launcher)
     res = CausalLinearAttentionFunction.apply(call, q, k, v, log_decay.source, initial_state, out)
     return res if return_state else (res, None)
