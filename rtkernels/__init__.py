@@ -7,15 +7,17 @@ import sys as _sys
 
 from .api import DTYPES, LAYOUTS, METHOD_NAMES, causal_linear_attention
 from .decay import set_strict_decay
+from .decode import decode
 from .env import VERSION as __version__
 from .methods import METHODS
 from .methods.chunk import backward as _chunk_backward  # puts the kernel backward first in BACKWARD_IMPLS
 from .methods.chunk import decay_grad as _chunk_decay_grad
+from . import ops as ops  # the torch.library ops; the call routes to them under torch.compile / torch.func
 
 # Former module names, kept working: rtkernels.kernel_backward and rtkernels.decay_grad now live
 # in the chunk method's package.
 kernel_backward = _sys.modules[f"{__name__}.kernel_backward"] = _chunk_backward
 decay_grad = _sys.modules[f"{__name__}.decay_grad"] = _chunk_decay_grad
 
-__all__ = ["causal_linear_attention", "set_strict_decay", "METHODS", "METHOD_NAMES", "LAYOUTS", "DTYPES",
+__all__ = ["causal_linear_attention", "decode", "set_strict_decay", "METHODS", "METHOD_NAMES", "LAYOUTS", "DTYPES",
            "__version__"]

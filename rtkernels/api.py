@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -28,6 +28,14 @@ DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 FP32_PRECISIONS = ("exact", "tf32")
 
 Array = Any  # a torch.Tensor or an object with __cuda_array_interface__ (e.g. a CuPy array)
+
+#: The call as one ``torch.library`` op, set by :mod:`rtkernels.ops` (which imports this module):
+#: taken while torch.compile / torch.export trace the call and for torch.func transforms (vmap,
+#: grad); it returns NotImplemented for a call it leaves to the eager path. Eager calls never reach
+#: it: their host cost stays that of the checks or the call cache.
+op_call: Optional[Callable[..., Any]] = None
+_is_compiling = torch.compiler.is_compiling
+_func_active = torch._C._are_functorch_transforms_active  # vmap's tensors have no storage to key by
 
 
 def _is_number(x: Any) -> bool:
@@ -188,6 +196,16 @@ def _check_state(initial_state: Any, q: torch.Tensor, v: torch.Tensor) -> Option
     return s
 
 
+def _check_scale(scale: Any) -> float:
+    """``scale`` as a float; TypeError for anything but a real number, ValueError unless finite."""
+    if not _is_number(scale):
+        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
 def _check_fp32_precision(value: Any) -> str:
     """"exact" or "tf32"; None follows torch's float32 matmul precision ("highest" -> "exact",
     "high" and "medium" -> "tf32")."""
@@ -275,6 +293,10 @@ def causal_linear_attention(
         is data: it comes out as NaN in exactly the rows it reaches (q_i: row i; k_j, v_j: rows
         i >= j).
     """
+    if (_is_compiling() or _func_active()) and op_call is not None:  # traced or transformed: one op
+        res = op_call(q, k, v, decay, decay_rate, scale, method, layout, initial_state, return_state, fp32_precision)
+        if res is not NotImplemented:
+            return res
     key = call_cache.call_key(q, k, v, decay, decay_rate, scale, method, layout, initial_state, return_state, fp32_precision)
     if key is not None:
         hit = call_cache.lookup(key)
@@ -287,11 +309,7 @@ def causal_linear_attention(
                                  (decay if decay_rate is None else decay_rate) if hit.device_decay else None)
             return (out, state) if return_state else out
     qt, kt, vt, kind = _check_inputs(q, k, v, layout)
-    if not _is_number(scale):
-        raise TypeError(f"scale must be a real number, got {type(scale).__name__}")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    scale = _check_scale(scale)
     if not isinstance(method, str):
         raise TypeError(f"method must be a string, one of {', '.join(METHOD_NAMES)}; got {type(method).__name__}")
     if method not in METHOD_NAMES:

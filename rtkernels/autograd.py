@@ -93,7 +93,7 @@ from .jit.dtypes import compute_dtype
 
 __all__ = ["Grads", "BackwardImpl", "BACKWARD_IMPLS", "backward_impl", "torch_backward", "track_decay",
            "needs_grad", "attention_with_grad", "CausalLinearAttentionFunction", "CHUNK", "log_decay_grad",
-           "DECAY_GRAD_BYTES"]
+           "DECAY_GRAD_BYTES", "call_gradients"]
 
 #: Tokens per chunk of the torch backward.
 CHUNK = 64
@@ -312,22 +312,31 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor, grad_state: Optional[torch.Tensor] = None):
         q, k, v, s0 = ctx.saved_tensors
-        call: _Call = ctx.call
-        _, need_q, need_k, need_v, need_decay, need_s0, _ = ctx.needs_input_grad
-        g = grad_out.transpose(1, 2) if call.bnhd else grad_out
-        grads = backward_impl(q, v)(q, k, v, call.log_decay, call.scale, s0, g, grad_state, need_s0, need_decay,
-                                    call.fp32_precision)
-        d_decay = None
-        if need_decay:
-            d_decay = grads.log_decay if grads.decay_is_source else call.log_decay.source_grad(grads.log_decay)
-            d_decay = d_decay.to(*ctx.source_meta)
-        return (None,
-                grads.q.to(q.dtype) if need_q else None,
-                grads.k.to(k.dtype) if need_k else None,
-                grads.v.to(v.dtype) if need_v else None,
-                d_decay,
-                grads.initial_state.to(s0.dtype) if need_s0 else None,
-                None)
+        _, *needs, _ = ctx.needs_input_grad
+        return (None, *call_gradients(ctx.call, q, k, v, s0, grad_out, grad_state, needs, ctx.source_meta), None)
+
+
+def call_gradients(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   initial_state: Optional[torch.Tensor], grad_out: torch.Tensor, grad_state: Optional[torch.Tensor],
+                   needs: Any, source_meta: Optional[tuple[torch.device, torch.dtype]]) -> tuple:
+    """The backward of one call (the Function's, and :mod:`rtkernels.ops`'s backward op):
+    ``(dq, dk, dv, d_decay, d_initial_state)``, each None unless its flag in ``needs`` (five bools,
+    that order) is set. q, k, v are ``[B, H, N, D]`` views, ``grad_out`` is in the call's layout;
+    the gradients come back in the inputs' dtypes (``[B, H, N, D]`` views), ``d_decay`` is dL/d(the
+    decay source) on ``source_meta`` = (device, dtype)."""
+    need_q, need_k, need_v, need_decay, need_s0 = needs
+    g = grad_out.transpose(1, 2) if call.bnhd else grad_out
+    grads = backward_impl(q, v)(q, k, v, call.log_decay, call.scale, initial_state, g, grad_state, need_s0,
+                                need_decay, call.fp32_precision)
+    d_decay = None
+    if need_decay:
+        d_decay = grads.log_decay if grads.decay_is_source else call.log_decay.source_grad(grads.log_decay)
+        d_decay = d_decay.to(*source_meta)
+    return (grads.q.to(q.dtype) if need_q else None,
+            grads.k.to(k.dtype) if need_k else None,
+            grads.v.to(v.dtype) if need_v else None,
+            d_decay,
+            grads.initial_state.to(initial_state.dtype) if need_s0 else None)
 
 
 def track_decay(log_decay: LogDecay, decay: torch.Tensor, is_rate: bool) -> LogDecay:

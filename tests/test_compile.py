@@ -8,20 +8,26 @@ from pathlib import Path
 
 import pytest
 
+from rtkernels.decode import instances as decode_instances
 from rtkernels.methods import kernel_instances
 from rtkernels.jit import KernelCompileError, compile_offline, list_sources, load_source, source_dir
 
 ARCHS = ("sm_80", "sm_90a")  # sm_90a: the wgmma instances compile their Hopper path
 
 
+def all_instances() -> dict[str, list[str]]:
+    """Every instance the library can request: the methods' (the registry) and the decode step's."""
+    return {**kernel_instances(), **decode_instances()}
+
+
 def test_every_source_has_instances():
-    assert set(kernel_instances()) == set(list_sources()), "a .cu file no method asks for, or a missing one"
+    assert set(all_instances()) == set(list_sources()), "a .cu file no method asks for, or a missing one"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("source", sorted(kernel_instances()))
+@pytest.mark.parametrize("source", sorted(all_instances()))
 def test_compiles(source, arch):
-    names = kernel_instances()[source]
+    names = all_instances()[source]
     prog = compile_offline(source, names, arch)
     assert len(prog.cubin) > 1000
     assert set(prog.lowered_names) == set(names)

@@ -1,0 +1,89 @@
+"""rtkernels.compat.fla on the GPU (marker ``gpu``): outputs, final states and gradients against the fp64
+reference for every kernel dtype, and against fla itself where fla is installed (CI does not install it:
+that comparison is skipped there, the fp64 one is not)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from reference import reference
+from rtkernels.compat.fla import chunk_simple_gla, fused_recurrent_simple_gla
+from tolerances import assert_close
+
+pytestmark = pytest.mark.gpu
+
+B, T, H, K, V = 2, 300, 4, 64, 32  # T not a multiple of 64 (a partial last chunk); K != V
+LOG_DECAY = (-0.7, -0.1, -0.001, 0.0)
+
+
+def _inputs(dtype, seed=0):
+    """Leaves that require grad: q, k, v ``[B, T, H, D]`` in ``dtype``, a float32 initial state and a
+    float32 CUDA g_gamma."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = ((torch.randn(B, T, H, K, generator=g) / K ** 0.25).to("cuda", dtype).requires_grad_() for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=g).to("cuda", dtype).requires_grad_()
+    s0 = (torch.randn(B, H, K, V, generator=g) / K ** 0.5).cuda().requires_grad_()
+    g_gamma = torch.tensor(LOG_DECAY, device="cuda", requires_grad=True)
+    weights = (torch.randn(B, T, H, V, generator=g).cuda(), torch.randn(B, H, K, V, generator=g).cuda())
+    return (q, k, v, s0, g_gamma), weights
+
+
+def _run(call, leaves, weights, scale, allow_unused=False):
+    q, k, v, s0, g_gamma = leaves
+    o, state = call(q, k, v, g_gamma=g_gamma, scale=scale, initial_state=s0, output_final_state=True)
+    loss = (o.float() * weights[0]).sum() + (state.float() * weights[1]).sum()
+    return (o, state, *torch.autograd.grad(loss, leaves, allow_unused=allow_unused))
+
+
+def _reference(leaves, weights, scale):
+    """The fp64 masked product (tests/reference.py) from the same rounded inputs, autograd's gradients."""
+    q, k, v, s0, g_gamma = (t.detach().double().requires_grad_() for t in leaves)
+    o, state = reference(q, k, v, torch.exp(g_gamma), scale, "bnhd", s0)
+    loss = (o * weights[0].double()).sum() + (state * weights[1].double()).sum()
+    return (o, state, *torch.autograd.grad(loss, (q, k, v, s0, g_gamma)))
+
+
+NAMES = ("o", "final_state", "dq", "dk", "dv", "dinitial_state", "dg_gamma")
+
+
+@pytest.mark.parametrize("call", [chunk_simple_gla, fused_recurrent_simple_gla], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32), ids=str)
+def test_against_fp64(call, dtype):
+    leaves, weights = _inputs(dtype)
+    got = _run(call, leaves, weights, None)
+    want = _reference(leaves, weights, K ** -0.5)  # fla's default scale
+    assert got[0].dtype == dtype and got[1].dtype == torch.float32
+    for name, a, b in zip(NAMES, got, want):
+        if name == "dg_gamma":  # a sum over every token pair of terms of both signs: its norm's tolerance
+            tol = 1e-4 if dtype == torch.float32 else 6e-2  # (as tests/test_gpu_cached_grad.py)
+            assert (a.double() - b).norm() <= tol * b.norm(), (name, a, b)
+        else:
+            assert_close(a, b, dtype, name, T)
+
+
+@pytest.mark.parametrize("name", ["chunk_simple_gla", "fused_recurrent_simple_gla"])
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+def test_against_fla(name, dtype):
+    """The same call on fla and here: the same outputs, final states and gradients up to the two
+    libraries' rounding (fla's float32 path multiplies in TF32, about 1e-3), so any difference in
+    meaning (scale, the sign or base of g_gamma, the state's layout) fails."""
+    simple_gla = pytest.importorskip("fla.ops.simple_gla")  # the peer, not installed in CI
+    theirs = getattr(simple_gla, name)
+    if "g_gamma" not in inspect.signature(theirs).parameters:
+        pytest.skip(f"this fla's {name} has no g_gamma")
+    ours = {"chunk_simple_gla": chunk_simple_gla, "fused_recurrent_simple_gla": fused_recurrent_simple_gla}[name]
+    leaves, weights = _inputs(dtype, seed=3)
+    got = _run(ours, leaves, weights, 0.3)
+    # fla gives g_gamma no gradient (a constant there): dg_gamma is checked against fp64 above
+    fla = _run(theirs, tuple(t.detach().clone().requires_grad_() for t in leaves), weights, 0.3, allow_unused=True)
+    for what, a, b in zip(NAMES, got, fla):
+        if b is None:
+            continue
+        a, b = a.double(), b.double()
+        assert a.shape == b.shape, (what, a.shape, b.shape)
+        assert (a - b).norm() <= 2e-2 * b.norm(), f"{what}: rtkernels and fla differ by {(a - b).norm() / b.norm():.3g}"
+    # the final state's layout: fla's default [N, H, K, V] (K before V), as here
+    assert got[1].shape == (B, H, K, V)
