@@ -94,12 +94,44 @@ def test_decode_loop_with_state_matches_the_whole_sequence():
     assert_close(s_whole, ref_state, torch.bfloat16, "state of the whole sequence")
 
 
-def test_overrides_and_autotune_changes_replan(monkeypatch):
+def _cached_grid(q, k, v, decay):
+    """The grid of the fused pass the cached call of this signature launches."""
+    key = call_cache.call_key(q, k, v, decay, None, 1.0, "chunk", "bhnd", None, False)
+    hit = call_cache.lookup(key)
+    assert hit is not None, "the call was not cached"
+    return hit.launcher.fused.grid
+
+
+def test_overrides_and_autotune_changes_replan(monkeypatch, tmp_path):
+    """Forcing the plan (chunk.override) and writing a tuned entry into the autotune store each
+    give the same call signature a new plan, which runs the forced or tuned config."""
+    from rtkernels.autotune import answers
+    from rtkernels.autotune.keys import bucket, device_fingerprint
+    from rtkernels.autotune.store import Store
+
     call_cache.clear()
     q, k, v = _qkv(1, 1, 4096, 128, 128)
     ref = reference(q, k, v, torch.full((1,), 0.999))[0]
     rtkernels.causal_linear_attention(q, k, v, 0.999, method="chunk")
+    heuristic = _cached_grid(q, k, v, 0.999)
     force_chunk(monkeypatch, segments=3)
     out = rtkernels.causal_linear_attention(q, k, v, 0.999, method="chunk")
     assert_close(out, ref, torch.bfloat16, "forced segments")
-    assert call_cache.size() == 2
+    assert call_cache.size() == 2 and _cached_grid(q, k, v, 0.999)[2] == 3
+    monkeypatch.undo()  # the heuristic's plan again, from the cache
+    assert _cached_grid(q, k, v, 0.999) == heuristic
+    # a tuned entry for the call's bucket, with a config the heuristic does not pick on any GPU:
+    # the mma.sync kernel, 32 value columns (4 tiles), 2 segments
+    dev = q.get_device()
+    tuned = {"wgmma": False, "bv": 32, "segments": 2}
+    store = Store(device_fingerprint(dev), tmp_path)
+    store.put(bucket(q.dtype, 1, 4096, 128, 128), {"method": "chunk", "configs": {"chunk": tuned}})
+    answers.use_store(dev, store)  # the store's answers changed: cached plans are stale
+    try:
+        assert answers.lookup(q, v)["configs"]["chunk"] == tuned
+        out = rtkernels.causal_linear_attention(q, k, v, 0.999, method="chunk")
+        assert_close(out, ref, torch.bfloat16, "tuned config")
+        assert call_cache.size() == 3, "the store change must give a new plan"
+        assert _cached_grid(q, k, v, 0.999) == (1, 4, 2), "the new plan must run the tuned config"
+    finally:
+        answers.clear()  # forget the test's store: the next lookup reads the run's own store again

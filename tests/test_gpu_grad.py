@@ -12,6 +12,7 @@ import torch
 import rtkernels
 from rtkernels.methods import METHODS
 
+import fp64_models as fm
 from reference import reference
 from tolerances import assert_close
 
@@ -21,7 +22,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: (B, H, N, Dk, Dv, layout): N in {1, 65, 1000}, Dk != Dv, D in {16, 64, 128}.
 SHAPES = [(2, 2, 1, 16, 64, "bhnd"), (1, 3, 65, 64, 16, "bnhd"), (1, 2, 1000, 128, 64, "bhnd"),
           (2, 1, 1000, 16, 128, "bnhd")]
-GAMMAS = (1e-6, 0.5, 0.999)
+GAMMAS = (1e-6, 0.5, 0.999, 1.0)  # 1: no decay at all, a gradient summed over every pair of tokens
 NAMES = ("q", "k", "v", "initial_state", "decay")
 
 
@@ -75,17 +76,23 @@ def test_gradients_match_fp64(method, dtype, shape):
 
 @pytest.mark.parametrize("method", ("chunk", "scan"))
 def test_cpu_decay_with_cuda_inputs(method):
-    """A trainable decay on the CPU next to CUDA inputs gets its gradient on the CPU."""
-    (q, k, v, s0, decay, w, ws), want = _case(SHAPES[1], torch.bfloat16, 0.5)
+    """A trainable decay on the CPU next to CUDA inputs gets its gradient on the CPU, equal to the
+    fp64 gradient (autograd through the reference with the same initial state and loss)."""
+    (q, k, v, s0, decay, w, ws), _ = _case(SHAPES[1], torch.bfloat16, 0.5)
     d = decay.cpu().requires_grad_(True)
     out = rtkernels.causal_linear_attention(q, k, v, d, scale=0.8, method=method, layout="bnhd", initial_state=s0)
     (dd,) = torch.autograd.grad((out.float() * w.float()).sum(), d)
-    assert dd.device.type == "cpu" and torch.isfinite(dd).all() and (dd != 0).all()
+    ref_decay = decay.detach().double().requires_grad_(True)
+    ref, _ = reference(q, k, v, ref_decay, 0.8, "bnhd", s0)
+    (want,) = torch.autograd.grad((ref * w.double()).sum(), ref_decay)
+    assert dd.device.type == "cpu" and dd.dtype == d.dtype
+    assert_close(dd, want, torch.bfloat16, f"d(decay) on the CPU, {method}")
 
 
-def test_long_sequence_gradients_stay_finite():
-    """The bf16 chunk kernel forward under grad on 16k tokens, gamma = 1 (no decay) and 1e-6:
-    every gradient finite."""
+def test_long_sequence_gradients_match_fp64():
+    """The bf16 chunk kernel forward and the kernel backward under grad on 16k tokens, gamma = 1
+    (no decay) and 1e-6: every gradient (q, k, v, decay) against autograd through an fp64
+    blockwise recurrence on the GPU (tests/fp64_models.py; the N x N reference would need tens of GB)."""
     g = torch.Generator().manual_seed(12)
     q, k, v = ((torch.randn(1, 4, 16384, 128, generator=g) / 11).to("cuda", torch.bfloat16).requires_grad_(True)
                for _ in range(3))
@@ -94,8 +101,11 @@ def test_long_sequence_gradients_stay_finite():
         d = torch.full((4,), gamma, device="cuda", requires_grad=True)
         out = rtkernels.causal_linear_attention(q, k, v, d, method="chunk")
         grads = torch.autograd.grad(out.float().sum(), (q, k, v, d))
-        for name, x in zip("qkvd", grads):
-            assert torch.isfinite(x).all(), f"gamma={gamma}: d{name} is not finite"
+        leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v, d)]
+        ref, _ = fm.blockwise(*leaves[:3], leaves[3], block=512)
+        want = torch.autograd.grad(ref.sum(), leaves)
+        for name, x, r in zip("qkvd", grads, want):
+            assert_close(x, r, torch.bfloat16, f"gamma={gamma}: d{name}", n=16384)
 
 
 def test_cupy_inputs_never_detach_a_grad_tensor():

@@ -21,17 +21,21 @@ from rtkernels.methods import chunk
 
 from reference import reference
 from test_gpu_grad import _case
-from tolerances import assert_close
+from tolerances import assert_close, assert_close_to_magnitude
 
 pytestmark = pytest.mark.gpu
 
 GAMMAS = (1e-6, 0.5, 0.9, 0.99, 0.999)  # 0.9 and 0.99: a wrong power of gamma shows in fp32 and fp16
-#: ((B, H, N, Dk, Dv, layout), forced number of sequence segments or None): N in {1, 65, 1000,
-#: 4096}, Dk != Dv, D in {16, 64, 128}, both layouts; N = 4096 also split into 3 segments.
+#: ((B, H, N, Dk, Dv, layout), forced number of sequence segments or None): N in {1, 65, 300,
+#: 500, 1000, 4096}, Dk != Dv, D in {16, 37, 64, 128, 200, 256} (37 and 200: rows that are not a
+#: multiple of 16 bytes, the element loaders; 200 and 256: KMAX 256), both layouts; N = 4096 and
+#: one D = 256 case also split into 3 segments.
 CASES = [((2, 2, 1, 16, 64, "bhnd"), None), ((1, 3, 65, 64, 16, "bnhd"), None),
          ((1, 2, 1000, 128, 64, "bhnd"), None), ((2, 1, 1000, 16, 128, "bnhd"), None),
          ((1, 2, 4096, 64, 128, "bhnd"), None), ((1, 2, 4096, 128, 16, "bnhd"), None),
-         ((1, 2, 4096, 64, 128, "bhnd"), 3), ((1, 2, 4096, 128, 16, "bnhd"), 3)]
+         ((1, 2, 4096, 64, 128, "bhnd"), 3), ((1, 2, 4096, 128, 16, "bnhd"), 3),
+         ((1, 2, 300, 256, 256, "bhnd"), None), ((1, 2, 500, 37, 200, "bnhd"), None),
+         ((2, 1, 300, 200, 37, "bhnd"), None), ((1, 2, 1000, 256, 200, "bhnd"), 3)]
 
 
 def _case_id(case) -> str:
@@ -47,6 +51,21 @@ def _want_stateless(shape: tuple, dtype: torch.dtype, gamma: float) -> tuple:
     leaves = [x.detach().to(torch.float64, copy=True).requires_grad_(True) for x in (q, k, v, decay)]
     out, _ = reference(*leaves[:3], leaves[3], 0.8, shape[-1])
     return torch.autograd.grad((out * w.double()).sum(), leaves)
+
+
+@functools.lru_cache(maxsize=8)
+def _decay_magnitude(shape: tuple, dtype: torch.dtype, gamma: float, stateful: bool) -> torch.Tensor:
+    """The magnitude of d(decay): its fp64 gradient for the same problem on |q|, |k|, |v|, |S_0| and
+    |loss weights|, every term of dlog(gamma) positive. d(decay) sums terms of both signs over every
+    pair of tokens; where they nearly cancel (e.g. (1, 2, 500, 37, 200) with a state at gamma 0.999:
+    every dtype, fp32 included, then misses by hundreds of its roundings relative to the result),
+    its rounding error is bounded by this sum, not by the result."""
+    (q, k, v, s0, decay, w, ws), _ = _case(shape, dtype, gamma)
+    leaves = [x.detach().double().abs().requires_grad_(True) for x in (q, k, v, s0)] + \
+        [decay.detach().double().requires_grad_(True)]
+    out, state = reference(*leaves[:3], leaves[4], 0.8, shape[-1], leaves[3] if stateful else None)
+    loss = (out * w.double().abs()).sum() + ((state * ws.double().abs()).sum() if stateful else 0)
+    return torch.autograd.grad(loss, leaves[4])[0]
 
 
 @pytest.mark.parametrize("stateful", (True, False), ids=("state", "nostate"))
@@ -77,7 +96,11 @@ def test_kernel_backward_matches_fp64(case, dtype, stateful, monkeypatch):
         names = ("q", "k", "v", *(["initial_state"] if stateful else []), "decay")
         for name, x, r in zip(names, leaves, want):
             assert x.grad.dtype == x.dtype, f"d{name}: {x.grad.dtype}"
-            assert_close(x.grad, r, dtype, f"d{name} {dtype} {case} gamma={gamma}", n=n)
+            what = f"d{name} {dtype} {case} gamma={gamma}"
+            if name == "decay":  # a sum over every token pair that can nearly cancel: see _decay_magnitude
+                assert_close_to_magnitude(x.grad, r, _decay_magnitude(shape, dtype, gamma, stateful), dtype, what, n=n)
+            else:
+                assert_close(x.grad, r, dtype, what, n=n)
 
 
 #: (B, H, N, Dk, Dv, layout): 16-byte rows (the cp.async loader) and rows of 20 / 12 elements

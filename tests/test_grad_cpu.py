@@ -8,15 +8,13 @@ weights, so the incoming gradients are W and WS (finite) and every check sees ev
 
 from __future__ import annotations
 
-import math
-from typing import Optional
 
 import pytest
 import torch
 
 import rtkernels
 import rtkernels.autograd as rk_autograd
-from inputs import (GAMMA_MIN, LAYOUTS, METHOD_NAMES, compute_state_dtype, make_qkv, make_state, randn, to_bhnd)
+from inputs import (GAMMA_MIN, LAYOUTS, METHOD_NAMES, compute_state_dtype, make_qkv, make_state, randn)
 from reference import reference
 from tolerances import assert_close
 

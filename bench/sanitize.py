@@ -1,0 +1,568 @@
+"""compute-sanitizer over every rtkernels kernel, in one command, with a summary table.
+
+    python bench/sanitize.py [--tools memcheck,racecheck,initcheck,synccheck] [--groups a,b]
+                             [--out FILE] [--logs DIR] [--jobs N] [--timeout S] [--track-unused]
+
+The runner starts, for each tool and each *group* (a driver that runs a few kernel variants on
+small odd shapes, forward and backward), ``compute-sanitizer --tool T ... python
+bench/sanitize.py --drive GROUP``, parses each report, and writes two tables to ``--out``
+(markdown) and stdout: group x tool (errors; racecheck: errors and warnings) and kernel source x
+tool (errors attributed to the kernels of each ``cuda_src/`` file by the names in the report).
+A source no driver launched shows as "not run", so a new kernel without a driver is visible.
+Every driver first runs once without the sanitizer: it compiles the kernels into a shared
+``RTKERNELS_CACHE_DIR`` (a temporary one unless set) and must pass its own checks against the
+library's fp64 path. Exit status: 0 clean, 1 errors or a failed driver, 2 no sanitizer or no GPU.
+
+How the tools are run, and what to expect:
+
+* ``PYTORCH_NO_CUDA_MEMORY_CACHING=1``: every tensor is its own ``cudaMalloc``. With torch's
+  caching allocator a read past a tensor lands in another block of the same segment (memcheck
+  sees nothing) and a fresh ``torch.empty`` reuses memory some earlier kernel wrote (initcheck sees
+  nothing).
+* memcheck: ``--padding 256`` puts unallocated bytes after each allocation, so an overrun of a few
+  rows is out of bounds even where two allocations touch.
+* memcheck, racecheck and synccheck check only rtkernels' kernels (``--kernel-name kns=rtk_``);
+  initcheck checks every kernel, because an uninstrumented torch kernel's writes (``randn`` of the
+  inputs) would count as never made. initcheck's reports in torch kernels are listed as "other".
+* initcheck reads at byte granularity: a kernel that loads a whole 16-byte vector where only part
+  of it is data (the padding of a row, the tail of a tensor inside its rounded-up allocation)
+  reports an uninitialised read even if the extra values are never used. The kernels load rows
+  whole only when every row is 16-byte aligned and padded loads are masked; a report here is a
+  finding to read, not noise to filter. ``--track-unused`` adds ``--track-unused-memory``: it
+  lists allocations (torch's included) that no kernel touched completely, e.g. a state buffer
+  whose last segment slot the split strategy never writes; those are reports about memory, not
+  errors, and they are left out of the error counts.
+* racecheck follows cp.async, cp.async.bulk and wgmma (Compute Sanitizer 2025.3); hazards it
+  classifies as warnings are counted apart.
+* Every sanitized run uses ``--destroy-on-device-error kernel`` and lets the driver go on past a
+  failed check (counted in the table), so a kernel the tool stops does not hide the kernels
+  launched after it.
+
+First sweep (H100, Compute Sanitizer 2025.3.1, 2026-11-24; docs/testing.md has the details):
+memcheck and racecheck found nothing in any group. synccheck reports "Barrier error detected.
+Divergent thread(s) in block" in rtk_chunk_fwd (mma.sync and wgmma) and rtk_chunk_fwd_f32, at
+one barrier each, by threads of warps 4-7. initcheck reports nothing in rtkernels' kernels; it
+reports reads of never-written memory in torch kernels that read the outputs of the wgmma
+kernel (whose rows go to global memory by cp.async.bulk): it does not seem to record those
+writes, and the mma.sync groups, which store rows with plain stores, report nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import datetime
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+TOOL_FLAGS = {
+    "memcheck": ["--padding", "256", "--leak-check", "no", "--kernel-name", "kns=rtk_"],
+    "racecheck": ["--racecheck-report", "analysis", "--kernel-name", "kns=rtk_"],
+    "initcheck": [],
+    "synccheck": ["--kernel-name", "kns=rtk_"],
+}
+KERNELS_LINE = "SANITIZE-KERNELS "
+SKIP_LINE = "SANITIZE-SKIP "
+FAILED_LINE = "SANITIZE-CHECKS-FAILED "
+#: Set by the runner for the sanitized runs: a failed check is counted and the driver goes on, so
+#: that a kernel the tool terminates (``--destroy-on-device-error kernel``) does not hide the
+#: kernels launched after it.
+KEEP_GOING = "RTK_SANITIZE_KEEP_GOING"
+_failures: list = []
+
+
+def _expect(ok: bool, what: str) -> None:
+    if ok:
+        return
+    if os.environ.get(KEEP_GOING) == "1":
+        _failures.append(what)
+        return
+    raise AssertionError(what)
+
+
+# =============================================================================== drivers ====== #
+# Each driver runs its kernels through the public API on small odd shapes and checks every output
+# against the library's fp64 torch path (``method="vanilla"``), so a launch the sanitizer breaks
+# or a wrong result shows as a failed driver.
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _qkv(b, h, n, dk, dv, dtype, seed=0, offset=False):
+    """q, k, v on the GPU; ``offset``: views that start one element into their storage (rows not
+    16-byte aligned: the element loaders)."""
+    torch = _torch()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def draw(d):
+        x = torch.randn(b, h, n, d + (1 if offset else 0), generator=g, device="cuda") / d ** 0.5
+        return x.to(dtype)[..., 1:] if offset else x.to(dtype)
+
+    return draw(dk), draw(dk), draw(dv)
+
+
+def _check(got, q, k, v, what, **kwargs):
+    """``got`` (output, or (output, state)) against the fp64 vanilla path: finite, relative error
+    below 5e-2 (a sanity bound: the tests hold the real tolerances)."""
+    import rtkernels
+
+    torch = _torch()
+    want = rtkernels.causal_linear_attention(q.double(), k.double(), v.double(), method="vanilla",
+                                             **{key: (x.double() if isinstance(x, torch.Tensor) else x)
+                                                for key, x in kwargs.items()})
+    pairs = zip(got, want) if isinstance(got, tuple) else [(got, want)]
+    for x, y in pairs:
+        x = x.double()
+        err = float((x - y).norm() / y.norm().clamp(min=1e-30))
+        _expect(bool(torch.isfinite(x).all()) and err < 5e-2, f"{what}: relative error {err:.3g}")
+
+
+def _forward(q, k, v, method, what, precision=None, state=False, decay=None):
+    """One forward call (with an initial state and the final state when ``state``), checked."""
+    import rtkernels
+
+    torch = _torch()
+    h = q.shape[1]
+    decay = decay if decay is not None else torch.linspace(0.5, 0.999, h, device="cuda")
+    kw = {"decay": decay, "scale": 0.7}
+    if state:
+        kw.update(initial_state=torch.randn(q.shape[0], h, q.shape[3], v.shape[3], device="cuda") / 4,
+                  return_state=True)
+    got = rtkernels.causal_linear_attention(q, k, v, method=method, fp32_precision=precision, **kw)
+    _check(got, q, k, v, what, **kw)
+
+
+def _train(q, k, v, what, precision=None, decay_grad=False, state=True):
+    """Forward and backward through the chunk kernel (the kernel backward: three passes, two of
+    them reversed; with ``decay_grad`` the dlog(gamma) kernel and its sum), gradients checked."""
+    import rtkernels
+
+    torch = _torch()
+    b, h, n, dk = q.shape
+    dv = v.shape[3]
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    s0 = (torch.randn(b, h, dk, dv, device="cuda") / 4).requires_grad_(True) if state else None
+    decay = torch.linspace(0.5, 0.999, h, device="cuda").requires_grad_(decay_grad)
+    res = rtkernels.causal_linear_attention(*leaves, decay, method="chunk", initial_state=s0, return_state=state,
+                                            fp32_precision=precision)
+    out, fin = res if state else (res, None)
+    w = torch.randn_like(out)
+    loss = (out.float() * w.float()).sum() + (fin.sum() if state else 0)
+    loss.backward()
+    ref_leaves = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+    ref_s0 = None if s0 is None else s0.detach().double().requires_grad_(True)
+    ref_decay = decay.detach().double().requires_grad_(decay_grad)
+    ref = rtkernels.causal_linear_attention(*ref_leaves, ref_decay, method="vanilla", initial_state=ref_s0,
+                                            return_state=state)
+    ref_out, ref_fin = ref if state else (ref, None)
+    ((ref_out * w.double()).sum() + (ref_fin.sum() if state else 0)).backward()
+    pairs = [(x.grad, y.grad) for x, y in zip(leaves, ref_leaves)]
+    if state:
+        pairs.append((s0.grad, ref_s0.grad))
+    if decay_grad:
+        pairs.append((decay.grad, ref_decay.grad))
+    for i, (x, y) in enumerate(pairs):
+        err = float((x.double() - y).norm() / y.norm().clamp(min=1e-30))
+        _expect(bool(torch.isfinite(x).all()) and err < 5e-2, f"{what}: gradient {i} relative error {err:.3g}")
+
+
+def _hopper() -> bool:
+    return _torch().cuda.get_device_capability() == (9, 0)
+
+
+def _drive_fwd16(wgmma: bool, bv: Optional[int] = None) -> Optional[str]:
+    from rtkernels.methods import chunk
+
+    torch = _torch()
+    if wgmma and not _hopper():
+        return "the wgmma kernel runs on compute capability 9.0 only"
+    shapes = [(2, 3, 131, 40, 72), (1, 2, 100, 128, 128)]
+    if not wgmma:  # KMAX 256 (the wgmma kernel takes Dk <= 128) and more CTAs than SMs (MINB 2)
+        shapes += [(1, 2, 70, 200, 33), (2, 70, 65, 16, 128)]
+    with chunk.override(wgmma=wgmma, bv=bv, segments=1):
+        for dt in (torch.float16, torch.bfloat16):
+            for i, s in enumerate(shapes):
+                _forward(*_qkv(*s, dt, seed=i), "chunk", f"fwd16 {s} {dt}", state=i % 2 == 1)
+            _forward(*_qkv(1, 2, 90, 48, 40, dt, offset=True), "chunk", f"fwd16 unaligned {dt}")
+    return None
+
+
+def _drive_split(dedicated: bool) -> Optional[str]:
+    from rtkernels.methods import chunk
+
+    torch = _torch()
+    kernels = [(False, None)] + ([(True, 128)] if _hopper() else [])
+    for wgmma, bv in kernels:
+        with chunk.override(wgmma=wgmma, bv=bv, segments=3, dedicated_states=dedicated):
+            for dt in (torch.float16, torch.bfloat16):
+                _forward(*_qkv(1, 2, 700, 40, 72, dt), "chunk", f"split {dt}", state=True)
+                _forward(*_qkv(1, 1, 600, 200, 40, dt, seed=1), "chunk", f"split KMAX 256 {dt}", state=True)
+                _forward(*_qkv(1, 2, 520, 37, 37, dt, seed=2, offset=True), "chunk", f"split unaligned {dt}")
+    return None
+
+
+def _drive_f32(precision: str) -> Optional[str]:
+    from rtkernels.methods import chunk
+
+    torch = _torch()
+    for segments in (1, 3):
+        with chunk.override(segments=segments):
+            _forward(*_qkv(2, 3, 131, 40, 72, torch.float32), "chunk", f"f32 {precision}", precision, state=True)
+            _forward(*_qkv(1, 2, 300, 200, 33, torch.float32, seed=1), "chunk", f"f32 KMAX 256 {precision}",
+                     precision)
+            _forward(*_qkv(1, 2, 700, 37, 64, torch.float32, seed=2, offset=True), "chunk",
+                     f"f32 unaligned {precision}", precision, state=True)
+    return None
+
+
+def _drive_backward() -> Optional[str]:
+    from rtkernels.methods import chunk
+
+    torch = _torch()
+    for segments in (None, 3):
+        with chunk.override(segments=segments):
+            for dt in (torch.float16, torch.bfloat16):
+                _train(*_qkv(1, 2, 400, 40, 72, dt), f"backward {dt} segments={segments}")
+                _train(*_qkv(1, 2, 300, 37, 200, dt, seed=1, offset=True), f"backward unaligned {dt}", state=False)
+            for precision in ("exact", "tf32"):
+                _train(*_qkv(1, 2, 400, 40, 72, torch.float32), f"backward f32 {precision}", precision)
+    return None
+
+
+def _drive_decay_grad() -> Optional[str]:
+    torch = _torch()
+    for dt in (torch.float16, torch.bfloat16):
+        _train(*_qkv(1, 2, 200, 40, 96, dt), f"dlog few CTAs (BV 32) {dt}", decay_grad=True)
+        _train(*_qkv(2, 70, 65, 40, 72, dt), f"dlog many CTAs (BV 64) {dt}", decay_grad=True, state=False)
+        _train(*_qkv(1, 1, 130, 200, 40, dt), f"dlog KMAX 256 {dt}", decay_grad=True)
+        _train(*_qkv(1, 2, 100, 37, 37, dt, offset=True), f"dlog unaligned {dt}", decay_grad=True, state=False)
+    return None
+
+
+def _drive_method(method: str) -> Optional[str]:
+    torch = _torch()
+    shapes = [(2, 3, 131, 20, 72), (1, 2, 90, 100, 33), (1, 1, 70, 256, 256), (1, 2, 65, 150, 40)]
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        for i, s in enumerate(shapes):
+            _forward(*_qkv(*s, dt, seed=i), method, f"{method} {s} {dt}", state=i % 2 == 0)
+    return None
+
+
+def _drive_decode() -> Optional[str]:
+    import rtkernels
+
+    torch = _torch()
+    if not hasattr(rtkernels, "decode"):
+        return "this checkout has no rtkernels.decode"
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        for b, h, t, dk, dv in ((3, 2, 1, 40, 72), (2, 3, 3, 200, 33), (2, 2, 2, 128, 128)):
+            q, k, v = _qkv(b, h, t, dk, dv, dt)
+            pool = torch.randn(b + 2, h, dk, dv, device="cuda") / 4
+            idx = torch.tensor([b + 1] + list(range(b - 1)), dtype=torch.int32, device="cuda")
+            idx[-1] = -1  # padding: no state read or written
+            want_pool = pool.clone()
+            decay = torch.linspace(0.5, 0.999, h, device="cuda")
+            out = rtkernels.decode(q, k, v, pool, decay, scale=0.7, state_indices=idx)
+            for i, row in enumerate(idx.tolist()):
+                if row < 0:
+                    continue
+                o, s = rtkernels.causal_linear_attention(
+                    q[i:i + 1].double(), k[i:i + 1].double(), v[i:i + 1].double(), decay.double(), scale=0.7,
+                    method="vanilla", initial_state=want_pool[row:row + 1].double(), return_state=True)
+                for x, y in ((out[i:i + 1], o), (pool[row:row + 1], s)):
+                    err = float((x.double() - y).norm() / y.norm().clamp(min=1e-30))
+                    _expect(err < 5e-2, f"decode {dt} row {row}: relative error {err:.3g}")
+    return None
+
+
+#: group -> (driver, what it exercises).
+GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
+    "fwd16-mma": (lambda: _drive_fwd16(False),
+                  "chunk/fwd16.cu, mma.sync, one pass, MINB 1 and 2, KMAX 64-256, VEC on/off"),
+    "fwd16-wgmma-bv64": (lambda: _drive_fwd16(True, 64), "chunk/fwd16.cu, wgmma, BV 64"),
+    "fwd16-wgmma-bv128": (lambda: _drive_fwd16(True, 128), "chunk/fwd16.cu, wgmma, BV 128"),
+    "split-states": (lambda: _drive_split(True), "chunk/states.cu + fwd16 folding its slots (3 segments)"),
+    "split-segscan": (lambda: _drive_split(False), "fwd16 states-only pass + chunk/seg_scan.cu"),
+    "f32-exact": (lambda: _drive_f32("exact"), "chunk/fwd_f32.cu 3xTF32, one pass and split (+ seg_scan)"),
+    "f32-tf32": (lambda: _drive_f32("tf32"), "chunk/fwd_f32.cu TF32, one pass and split (+ seg_scan)"),
+    "backward": (_drive_backward, "kernel backward: forward and reversed passes, 16-bit and fp32, split"),
+    "decay-grad": (_drive_decay_grad, "chunk/decay_grad.cu (BV 32 and 64, KMAX 256) + chunk/decay_grad_sum.cu"),
+    "scan": (lambda: _drive_method("scan"), "scan.cu, KMAX 32-256, fp32/fp16/bf16"),
+    "fleet": (lambda: _drive_method("fleet"), "scan.cu rank tiles + fleet.cu reduction"),
+    "block": (lambda: _drive_method("block"), "block.cu, BV 32 and 64"),
+    "decode": (_drive_decode, "decode.cu (pool, indices with padding)"),
+}
+
+
+def drive(group: str) -> int:
+    """Run one group's driver (what compute-sanitizer launches) and print the kernels it used."""
+    import rtkernels.jit
+
+    torch = _torch()
+    skip = GROUPS[group][0]()
+    torch.cuda.synchronize()
+    if skip:
+        print(SKIP_LINE + skip)
+    kernels = sorted({(r["source"], r["name"]) for r in rtkernels.jit.compile_log()})
+    print(KERNELS_LINE + json.dumps(kernels))
+    if _failures:
+        more = [f"... {len(_failures)} in all"] if len(_failures) > 20 else []
+        print(FAILED_LINE + json.dumps(_failures[:20] + more))
+        return 1
+    return 0
+
+
+# ================================================================================ runner ====== #
+
+def find_sanitizer(given: Optional[str]) -> Optional[str]:
+    """compute-sanitizer from ``--sanitizer``, PATH, $CUDA_HOME/bin or /usr/local/cuda/bin."""
+    candidates = [given] if given else [shutil.which("compute-sanitizer")]
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            candidates.append(str(Path(root) / "bin" / "compute-sanitizer"))
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+_RACE = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)")
+_RECORD = re.compile(r"^========= (?![ ]|$)(?!ERROR SUMMARY|RACECHECK SUMMARY|COMPUTE-SANITIZER)(.+)$", re.MULTILINE)
+_KERNEL = re.compile(r"\b(rtk_[A-Za-z0-9_]+)")
+
+
+def parse_report(text: str, tool: str) -> dict:
+    """errors, warnings (racecheck) and errors by kernel base name from one sanitizer log."""
+    res = {"errors": None, "warnings": 0, "unused": 0, "by_kernel": {}}
+    # attribute each record (a header line, then indented lines) to the first rtk_ kernel it names
+    records = list(_RECORD.finditer(text))
+    ends = [mm.start() for mm in records[1:]] + [len(text)]
+    for mm, end in zip(records, ends):
+        block, head = text[mm.start():end], mm.group(1).lower()
+        if "unused memory" in head:
+            res["unused"] += 1  # --track-unused-memory: a report about an allocation, not an error
+            continue
+        if tool == "racecheck" and head.startswith("warning"):
+            continue
+        km = _KERNEL.search(block)
+        key = km.group(1) if km else "other"
+        res["by_kernel"][key] = res["by_kernel"].get(key, 0) + 1
+    m = _RACE.search(text) if tool == "racecheck" else None
+    if m:
+        res["errors"], res["warnings"] = int(m.group(2)), int(m.group(3))
+    else:
+        sums = [int(x) for x in _SUMMARY.findall(text)]
+        res["errors"] = max(0, sum(sums) - res["unused"]) if sums else None
+    return res
+
+
+def _base(name: str) -> str:
+    return name.split("<", 1)[0]
+
+
+def run_one(cmd: list, timeout: float, env: dict) -> tuple[int, str, float]:
+    t0 = time.time()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        return p.returncode, p.stdout + p.stderr, time.time() - t0
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        return -9, out + "\nTIMEOUT", time.time() - t0
+
+
+def _driver_info(output: str) -> tuple[list, Optional[str], list]:
+    """(kernels the driver used, why it skipped or None, the checks that failed)."""
+    kernels, skip, failed = [], None, []
+    for line in output.splitlines():
+        if line.startswith(KERNELS_LINE):
+            kernels = json.loads(line[len(KERNELS_LINE):])
+        elif line.startswith(SKIP_LINE):
+            skip = line[len(SKIP_LINE):]
+        elif line.startswith(FAILED_LINE):
+            failed = json.loads(line[len(FAILED_LINE):])
+    return kernels, skip, failed
+
+
+def main(argv: Optional[list] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drive", help=argparse.SUPPRESS)
+    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--groups", default=",".join(GROUPS), help="comma-separated, of: " + ", ".join(GROUPS))
+    ap.add_argument("--out", default=None, help="summary file (markdown); default bench/out/sanitize-<time>.md")
+    ap.add_argument("--logs", default=None, help="directory for the full sanitizer logs; default beside --out")
+    ap.add_argument("--jobs", type=int, default=4, help="sanitizer processes at once (one GPU)")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per sanitizer process")
+    ap.add_argument("--sanitizer", default=None, help="path of compute-sanitizer")
+    ap.add_argument("--track-unused", action="store_true", help="initcheck --track-unused-memory (reports, not errors)")
+    args = ap.parse_args(argv)
+    if args.drive:
+        return drive(args.drive)
+
+    tools = [t for t in args.tools.split(",") if t]
+    groups = [g for g in args.groups.split(",") if g]
+    bad = [t for t in tools if t not in TOOLS] + [g for g in groups if g not in GROUPS]
+    if bad:
+        print(f"sanitize: unknown tool or group: {', '.join(bad)}", file=sys.stderr)
+        return 2
+    sanitizer = find_sanitizer(args.sanitizer)
+    if sanitizer is None:
+        print("sanitize: compute-sanitizer not found (looked at --sanitizer, PATH, $CUDA_HOME/bin, "
+              "/usr/local/cuda/bin); it ships with the CUDA toolkit: install the toolkit or pass --sanitizer PATH",
+              file=sys.stderr)
+        return 2
+    torch = _torch()
+    from rtkernels.jit import cupy_available, list_sources
+
+    if not (torch.cuda.is_available() and cupy_available()):
+        print("sanitize: needs a CUDA GPU with CuPy (the kernels are compiled with NVRTC through CuPy)",
+              file=sys.stderr)
+        return 2
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out or Path(__file__).resolve().parent / "out" / f"sanitize-{stamp}.md")
+    logs = Path(args.logs or out.with_suffix(""))
+    logs.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1", PYTHONUNBUFFERED="1")
+    env.setdefault("RTKERNELS_CACHE_DIR", tempfile.mkdtemp(prefix="rtkernels-sanitize-"))
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(root), env.get("PYTHONPATH", "")) if x)
+    me = [sys.executable, str(Path(__file__).resolve()), "--drive"]
+
+    # 1. each driver once without the sanitizer: compile, check, learn its kernels
+    info: dict[str, dict] = {}
+
+    def plain(g):
+        return g, run_one(me + [g], args.timeout, env)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for g, (rc, text, secs) in pool.map(plain, groups):
+            kernels, skip, _ = _driver_info(text)
+            info[g] = {"rc": rc, "kernels": kernels, "skip": skip, "seconds": secs}
+            (logs / f"{g}.plain.log").write_text(text)
+            state = "skipped: " + skip if skip else ("ok" if rc == 0 else f"FAILED rc={rc}")
+            print(f"[plain] {g}: {state}, {len(kernels)} kernels, {secs:.0f} s", flush=True)
+
+    # 2. every tool over every driver that ran
+    jobs = [(t, g) for t in tools for g in groups if info[g]["rc"] == 0 and not info[g]["skip"]]
+    results: dict[tuple, dict] = {}
+
+    def sanitize(job):
+        tool, g = job
+        log = logs / f"{g}.{tool}.log"
+        flags = list(TOOL_FLAGS[tool])
+        if tool == "initcheck" and args.track_unused:
+            flags.append("--track-unused-memory")
+        cmd = [sanitizer, "--tool", tool, *flags, "--print-limit", "1000", "--show-backtrace", "device",
+               "--destroy-on-device-error", "kernel", "--log-file", str(log), *me, g]
+        rc, text, secs = run_one(cmd, args.timeout, dict(env, **{KEEP_GOING: "1"}))
+        report = log.read_text() if log.exists() else ""
+        res = parse_report(report, tool)
+        kernels, _, failed = _driver_info(text)
+        res.update(rc=rc, seconds=secs, driver_ok=KERNELS_LINE in text, checks_failed=len(failed))
+        (logs / f"{g}.{tool}.stdout").write_text(text)
+        return job, res
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for (tool, g), res in pool.map(sanitize, jobs):
+            results[(tool, g)] = res
+            print(f"[{tool}] {g}: {_cell(res)} ({res['seconds']:.0f} s)", flush=True)
+
+    text = _summary(tools, groups, info, results, list_sources(), sanitizer, logs, args)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+    print(f"summary: {out}\nlogs: {logs}")
+    failed = any(i["rc"] != 0 for i in info.values()) or any(
+        r["errors"] != 0 or not r["driver_ok"] or r["checks_failed"] for r in results.values())
+    return 1 if failed else 0
+
+
+def _cell(res: Optional[dict]) -> str:
+    if res is None:
+        return "—"
+    if res["rc"] == -9:
+        return "timeout"
+    if res["errors"] is None:
+        return f"no report (rc {res['rc']})"
+    cell = str(res["errors"])
+    rtk = sum(c for k, c in res["by_kernel"].items() if k != "other")
+    if res["errors"] and rtk < res["errors"]:
+        cell += f" ({rtk} shown in rtk_ kernels)"
+    if res.get("checks_failed"):
+        cell += f", {res['checks_failed']} driver checks failed"
+    if res["unused"]:
+        cell += f" ({res['unused']} unused-memory reports)"
+    if res["warnings"]:
+        cell += f" ({res['warnings']} warn)"
+    if not res["driver_ok"]:
+        cell += f", driver died (rc {res['rc']})"
+    return cell
+
+
+def _summary(tools, groups, info, results, sources, sanitizer, logs, args) -> str:
+    torch = _torch()
+    import rtkernels
+
+    version = subprocess.run([sanitizer, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    lines = [f"# compute-sanitizer sweep, {datetime.datetime.now():%Y-%m-%d %H:%M}", "",
+             f"- GPU: {torch.cuda.get_device_name()} (cc {'.'.join(map(str, torch.cuda.get_device_capability()))}), "
+             f"torch {torch.__version__}, rtkernels {getattr(rtkernels, '__version__', '?')}",
+             f"- sanitizer: {version[-1] if version else sanitizer}",
+             "- PYTORCH_NO_CUDA_MEMORY_CACHING=1; memcheck --padding 256; memcheck, racecheck and synccheck on "
+             "rtk_ kernels only; --destroy-on-device-error kernel"
+             + ("; initcheck --track-unused-memory" if args.track_unused else ""),
+             f"- logs: {logs}", "", "## errors per group (driver) and tool", "",
+             "| group | what | kernels | " + " | ".join(tools) + " |",
+             "|---|---|---:|" + "---:|" * len(tools)]
+    for g in groups:
+        i = info[g]
+        if i["skip"]:
+            cells = [f"n/a ({i['skip']})"] * len(tools)
+        elif i["rc"] != 0:
+            cells = [f"driver failed without the sanitizer (rc {i['rc']})"] * len(tools)
+        else:
+            cells = [_cell(results.get((t, g))) for t in tools]
+        lines.append(f"| {g} | {GROUPS[g][1]} | {len(i['kernels'])} | " + " | ".join(cells) + " |")
+    # by source: which groups ran its kernels, and the errors attributed to them
+    ran: dict[str, set] = {}
+    base_source: dict[str, str] = {}
+    for g in groups:
+        for source, name in info[g]["kernels"]:
+            ran.setdefault(source, set()).add(g)
+            base_source[_base(name)] = source
+    lines += ["", "## errors per kernel source and tool (attributed by the kernel named in each report)", "",
+              "| source | groups | " + " | ".join(tools) + " |", "|---|---|" + "---:|" * len(tools)]
+    other = {t: 0 for t in tools}
+    for source in sources:
+        cells = []
+        for t in tools:
+            if source not in ran:
+                cells.append("not run")
+                continue
+            n = 0
+            for g in ran[source]:
+                res = results.get((t, g))
+                if res is not None:
+                    n += sum(c for k, c in res["by_kernel"].items() if base_source.get(k) == source)
+            cells.append(str(n))
+        lines.append(f"| {source} | {', '.join(sorted(ran.get(source, []))) or '—'} | " + " | ".join(cells) + " |")
+    for (t, g), res in results.items():
+        other[t] += sum(c for k, c in res["by_kernel"].items() if k not in base_source)
+    lines.append("| (other kernels, e.g. torch's) | | " + " | ".join(str(other[t]) for t in tools) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())
