@@ -170,7 +170,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       // the tiles (cp.async) and the state copy (st.shared) are read by wgmma next: async proxy
       if (WG) rtk_fence_proxy_async();
     }
-    return __syncthreads_or(my_bad) != 0;
+    return rtk_cta_sync_or(my_bad);
   };
 
   // The two groups run separate loops (so neither holds the other's registers) and meet at one
@@ -184,10 +184,10 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     // the wgmma kernel sends whole, 16-byte aligned output rows with bulk copies
     const bool osend = WG && ovec_full && o_sn % 8 == 0 && (reinterpret_cast<size_t>(ob + v0) & 15) == 0;
     float s_inv = 1.f;  // the state copy holds S * 2^e (fp16); s_inv = 2^-e
-    if (SERIAL) __syncthreads();  // (the state warps' next_copy)
+    if (SERIAL) rtk_cta_sync();  // (the state warps' next_copy)
     bool v_bad = end_period(0);   // chunk 0 and the first state copy are in place
     auto out_end = [&](int chunk) -> bool {
-      if (SERIAL) __syncthreads();  // done with the state copy (the state warps' next_copy)
+      if (SERIAL) rtk_cta_sync();  // done with the state copy (the state warps' next_copy)
       return end_period(chunk + 1);
     };
 
@@ -393,7 +393,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     // fp16 maximum and writing the copy (and, with one copy, after the output warps' reads of it)
     auto next_copy = [&](int slot, bool store) {
       publish_max(slot);
-      if (SERIAL) __syncthreads();
+      if (SERIAL) rtk_cta_sync();
       if (store) store_state_copy(slot);
     };
     load_chunk(0, 0);

@@ -64,10 +64,10 @@ struct rtk_f32_pieces {
 // output warps 1..3 wait. Both order this thread's earlier shared-memory accesses before the
 // barrier completes (the "memory" clobbers keep the compiler from moving them across).
 template <int NSW> __device__ __forceinline__ void rtk_f32_pieces_arrive() {
-  asm volatile("bar.arrive 1, %0;" ::"n"(32 * (NSW + 3)) : "memory");
+  asm volatile("barrier.arrive 1, %0;" ::"n"(32 * (NSW + 3)) : "memory");
 }
 template <int NSW> __device__ __forceinline__ void rtk_f32_pieces_wait() {
-  asm volatile("bar.sync 1, %0;" ::"n"(32 * (NSW + 3)) : "memory");
+  asm volatile("barrier.sync 1, %0;" ::"n"(32 * (NSW + 3)) : "memory");
 }
 
 template <int KMAX, int BV, int STAGES, bool EXACT, bool VEC, int MINB>
@@ -169,11 +169,11 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
         }
       }
     }
-    return __syncthreads_or(my_bad) != 0;  // (A) tiles and state copy visible
+    return rtk_cta_sync_or(my_bad);  // (A) tiles and state copy visible
   };
 
   if (out_warp) {
-    __syncthreads();  // (matches the state warps' start barrier: the first state copy)
+    rtk_cta_sync();  // (matches the state warps' start barrier: the first state copy)
     // ---- output warp W: rows r0 = 16 W .. r0+15 of each chunk. Called with constant W below, once
     // per warp: inlined, each call is compiled with fixed loop bounds (the p[] and o_acc[] indices
     // must be compile-time values so that they stay in registers).
@@ -192,7 +192,7 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
         const float* sK = sm + stage * L::STAGE + L::K;
         const float* sV = sm + stage * L::STAGE + L::V;
         if (states_only) {  // first pass of the split-sequence strategy: no outputs, no pieces
-          __syncthreads();
+          rtk_cta_sync();
           continue;
         }
         float o_acc[NT][4];
@@ -308,7 +308,7 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
               if (r0 + g + (e >> 1) * 8 >= first[nt][e & 1]) o_acc[nt][e] = __int_as_float(0x7fc00000);
         }
         rtk_chunk_store_rows<RTK_F32>(ob, o_acc, n0, r0, g, t4, len, o_sn, v0, dv_here, ovec_full);
-        __syncthreads();  // (B) done with the state copy, the pieces and this stage
+        rtk_cta_sync();  // (B) done with the state copy, the pieces and this stage
       }
     };
     switch (warp) {
@@ -333,7 +333,7 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
     };
     // gamma^C of a whole chunk in double precision, rounded once
     const float carry_full = (float)exp((double)lgd * (double)C);
-    __syncthreads();  // (matches the output warps' start barrier)
+    rtk_cta_sync();  // (matches the output warps' start barrier)
     store_state_copy();
     for (int chunk = 0; chunk < nchunks; ++chunk) {
       begin_chunk(chunk);
@@ -426,7 +426,7 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
         for (int nt = 0; nt < HT; ++nt)
           #pragma unroll
           for (int e = 0; e < 4; ++e) s_acc[mt][nt][e] = fmaf(s_acc[mt][nt][e], carry, d_acc[mt][nt][e]);
-      __syncthreads();  // (B) the output warps are done with the state copy, everyone with this stage
+      rtk_cta_sync();  // (B) the output warps are done with the state copy, everyone with this stage
       store_state_copy();
     }
     sf.store(s_acc, final_state);

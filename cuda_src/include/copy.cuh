@@ -45,9 +45,22 @@ __device__ __forceinline__ void rtk_stsm_x4(rtk_u32 addr, rtk_u32 r0, rtk_u32 r1
                "r"(r2), "r"(r3) : "memory");
 }
 
+// Barriers for warp-specialized kernels, whose warp groups meet at a barrier from different
+// places in the code. __syncthreads and bar.* are the .aligned forms, which require every thread
+// to execute the same instruction (undefined otherwise; compute-sanitizer synccheck flags it);
+// the non-aligned barrier.* forms count arrivals from any instruction.
 // Barrier `id` (1..15) of `count` threads (a multiple of 32): a subset of the CTA's warps.
 __device__ __forceinline__ void rtk_named_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+  asm volatile("barrier.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+// The whole CTA (barrier 0).
+__device__ __forceinline__ void rtk_cta_sync() { asm volatile("barrier.sync 0;" ::: "memory"); }
+// The whole CTA (barrier 0); returns whether `p` holds in any thread.
+__device__ __forceinline__ bool rtk_cta_sync_or(bool p) {
+  rtk_u32 any;
+  asm volatile("{\n .reg .pred in, out;\n setp.ne.u32 in, %1, 0;\n barrier.red.or.pred out, 0, in;\n"
+               " selp.u32 %0, 1, 0, out;\n}" : "=r"(any) : "r"((rtk_u32)p) : "memory");
+  return any != 0;
 }
 
 // Four 8x8 b16 matrices; lane i gives the address of row (i % 8) of matrix (i / 8).
