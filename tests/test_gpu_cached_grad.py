@@ -83,9 +83,9 @@ def test_repeated_training_call_is_cached_and_exact(plans, dtype, form, layout):
             m.setattr(call_cache, "call_key", lambda *a, **kw_: None)
             out2, state2 = run(fresh)
         assert torch.equal(out, out2) and torch.equal(state, state2)
-        for a, b in zip(leaves, fresh):
-            if a is not None:
-                assert torch.equal(a.grad, b.grad)
+        for cached, full in zip(leaves, fresh):
+            if cached is not None:
+                assert torch.equal(cached.grad, full.grad)
         # against the fp64 reference, by autograd from the same (rounded) inputs
         lg = torch.log(gamma).to("cuda").requires_grad_()
         qr, kr, vr, sr = (t.detach().double().requires_grad_() for t in (q, k, v, s0))

@@ -84,6 +84,8 @@ def test_against_fla(name, dtype):
             continue
         a, b = a.double(), b.double()
         assert a.shape == b.shape, (what, a.shape, b.shape)
-        assert (a - b).norm() <= 2e-2 * b.norm(), f"{what}: rtkernels and fla differ by {(a - b).norm() / b.norm():.3g}"
+        # two libraries' 16-bit roundings (bf16: 8 bits) apart; a difference in meaning is O(1)
+        tol = 5e-2 if dtype == torch.bfloat16 else 2e-2
+        assert (a - b).norm() <= tol * b.norm(), f"{what}: rtkernels and fla differ by {(a - b).norm() / b.norm():.3g}"
     # the final state's layout: fla's default [N, H, K, V] (K before V), as here
     assert got[1].shape == (B, H, K, V)
