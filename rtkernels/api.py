@@ -13,6 +13,7 @@ from .autograd import attention_with_grad, needs_grad, track_decay
 from . import decay as _decay
 from .decay import KIND_FACTOR, KIND_RATE, LogDecay
 from . import call_cache
+from . import varlen as _varlen
 from .methods import METHODS, auto_method, run_method
 from .jit.dtypes import compute_dtype
 
@@ -181,14 +182,20 @@ def _log_decay(decay: Any, decay_rate: Any, h: int, device: torch.device) -> Log
     return LogDecay(device, host=(0.0,) * h)
 
 
-def _check_state(initial_state: Any, q: torch.Tensor, v: torch.Tensor) -> Optional[torch.Tensor]:
+def _check_state(initial_state: Any, q: torch.Tensor, v: torch.Tensor,
+                 sequences: Optional[int] = None) -> Optional[torch.Tensor]:
+    """The checked initial state: ``[B, H, Dk, Dv]``, or ``[S, H, Dk, Dv]`` for ``sequences`` = S
+    packed sequences (``cu_seqlens``)."""
     if initial_state is None:
         return None
     s, _ = _to_torch(initial_state, "initial_state")
     _check_storage(s, "initial_state")
-    expected = (q.shape[0], q.shape[1], q.shape[3], v.shape[3])
+    first, letter = (q.shape[0], "B") if sequences is None else (sequences, "S")
+    expected = (first, q.shape[1], q.shape[3], v.shape[3])
     if tuple(s.shape) != expected:
-        raise ValueError(f"initial_state must have shape [B, H, Dk, Dv] = {list(expected)}, got {tuple(s.shape)}")
+        why = "" if sequences is None else " (one state per sequence of cu_seqlens)"
+        raise ValueError(f"initial_state must have shape [{letter}, H, Dk, Dv] = {list(expected)}{why}, "
+                         f"got {tuple(s.shape)}")
     if s.dtype not in (torch.float32, torch.float64):
         raise TypeError(f"initial_state must be float32 (or float64), got {_fmt_dtype(s.dtype)}")
     if s.device != q.device:
@@ -239,11 +246,58 @@ def _cached_with_grad(hit: call_cache.CachedCall, q: torch.Tensor, k: torch.Tens
     return (out, state) if g.return_state else out
 
 
+def _check_call_options(scale: Any, method: Any, return_state: Any) -> tuple[float, bool]:
+    """The checked ``(scale, return_state)``; ``method`` is checked by name."""
+    scale = _check_scale(scale)
+    if not isinstance(method, str):
+        raise TypeError(f"method must be a string, one of {', '.join(METHOD_NAMES)}; got {type(method).__name__}")
+    if method not in METHOD_NAMES:
+        raise ValueError(f"method must be one of {', '.join(repr(m) for m in METHOD_NAMES)}, got {method!r}")
+    if not isinstance(return_state, (bool, np.bool_)):
+        tp = type(return_state)
+        tname = tp.__name__ if tp.__module__ == "builtins" else f"{tp.__module__}.{tp.__qualname__}"
+        raise TypeError(f"return_state must be a bool, got {tname}")
+    return scale, bool(return_state)
+
+
+def _varlen_call(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, method: Any, layout: Any,
+                 initial_state: Any, return_state: Any, fp32_precision: Any, cu_seqlens: Any) -> Any:
+    """A call with ``cu_seqlens``: the same checks, then :func:`rtkernels.varlen.varlen_attention`
+    whatever ``method`` names (the kernels do not take packed sequences yet). Never cached and
+    never routed to the torch.library op: it reads nothing on the host, so it traces as it is."""
+    qt, kt, vt, kind = _check_inputs(q, k, v, layout)
+    scale, return_state = _check_call_options(scale, method, return_state)
+    if fp32_precision is not None:  # checked, then unused (no tensor cores); None is not resolved (compile)
+        _check_fp32_precision(fp32_precision)
+    b, h, n, _ = qt.shape
+    if b != 1:
+        raise ValueError(f"with cu_seqlens, q, k and v must hold the packed sequences in one batch: batch size 1, "
+                         f"got B = {b} (shape {tuple(q.shape)}, layout={layout!r})")
+    cu, _ = _to_torch(cu_seqlens, "cu_seqlens")
+    _check_storage(cu, "cu_seqlens")
+    sequences = _varlen.check_cu_seqlens(cu, n, qt.device)
+    # a CPU tensor is validated here; while tracing, or on a device, invalid values give NaN instead
+    checked = cu.device.type == "cpu" and not _is_compiling()
+    if checked:
+        _varlen.check_cu_seqlens_values(cu, n)
+    log_decay = _log_decay(decay, decay_rate, h, qt.device)
+    s0 = _check_state(initial_state, qt, vt, sequences)
+    needs_grad(kind, qt, kt, vt, s0, log_decay)  # only for its TypeError (CuPy outputs carry no gradient)
+    out, state = _varlen.varlen_attention(qt, kt, vt, cu, log_decay, scale, s0, return_state, checked)
+    out = out.transpose(1, 2).contiguous() if layout == "bnhd" else out
+    if kind == "cupy":
+        import cupy
+
+        out = cupy.from_dlpack(out.detach())
+        state = None if state is None else cupy.from_dlpack(state.detach())
+    return (out, state) if return_state else out
+
+
 def causal_linear_attention(
     q: Array, k: Array, v: Array, decay: Union[None, float, Array] = None, *,
     decay_rate: Union[None, float, Array] = None, scale: float = 1.0, method: str = "auto",
     layout: str = "bhnd", initial_state: Optional[Array] = None, return_state: bool = False,
-    fp32_precision: Optional[str] = None,
+    fp32_precision: Optional[str] = None, cu_seqlens: Optional[Array] = None,
 ) -> Any:
     r"""Exponentially decaying causal linear attention.
 
@@ -279,6 +333,16 @@ def causal_linear_attention(
             ``torch.get_float32_matmul_precision()``: ``"highest"`` (torch's default) gives
             ``"exact"``, ``"high"`` and ``"medium"`` give ``"tf32"``. Other dtypes, the torch
             paths and the other kernels (fp32 FMAs) ignore it.
+        cu_seqlens: packed variable-length sequences (:mod:`rtkernels.varlen`): q, k, v have batch
+            size 1 and hold S sequences end to end; an int32 or int64 ``[S + 1]`` tensor on q's
+            device, ``0 = cu[0] <= ... <= cu[S] = N``, sequence s being tokens ``cu[s] .. cu[s+1]-1``
+            (empty ones allowed), each attending only within itself. ``initial_state`` and the
+            returned state are then ``[S, H, Dk, Dv]`` (an empty sequence returns its initial state,
+            or zeros). A CPU tensor's values are checked (``ValueError``); a CUDA tensor's are never
+            read on the host (no sync, capturable): invalid values make every output and state NaN.
+            Every ``method`` runs the same torch path (the kernels do not take packed sequences yet):
+            work O(N C (Dk + Dv) + N Dk Dv) per head, differentiable through autograd; such calls
+            are not cached and, under torch.compile, are traced as torch operations (not the op).
 
     Returns:
         The output ``[B, H, N, Dv]`` (or ``[B, N, H, Dv]``) in the input dtype, contiguous in the
@@ -293,6 +357,9 @@ def causal_linear_attention(
         is data: it comes out as NaN in exactly the rows it reaches (q_i: row i; k_j, v_j: rows
         i >= j).
     """
+    if cu_seqlens is not None:  # packed sequences: their own torch path, before the op route and the cache
+        return _varlen_call(q, k, v, decay, decay_rate, scale, method, layout, initial_state, return_state,
+                            fp32_precision, cu_seqlens)
     if (_is_compiling() or _func_active()) and op_call is not None:  # traced or transformed: one op
         res = op_call(q, k, v, decay, decay_rate, scale, method, layout, initial_state, return_state, fp32_precision)
         if res is not NotImplemented:
@@ -309,16 +376,7 @@ def causal_linear_attention(
                                  (decay if decay_rate is None else decay_rate) if hit.device_decay else None)
             return (out, state) if return_state else out
     qt, kt, vt, kind = _check_inputs(q, k, v, layout)
-    scale = _check_scale(scale)
-    if not isinstance(method, str):
-        raise TypeError(f"method must be a string, one of {', '.join(METHOD_NAMES)}; got {type(method).__name__}")
-    if method not in METHOD_NAMES:
-        raise ValueError(f"method must be one of {', '.join(repr(m) for m in METHOD_NAMES)}, got {method!r}")
-    if not isinstance(return_state, (bool, np.bool_)):
-        tp = type(return_state)
-        tname = tp.__name__ if tp.__module__ == "builtins" else f"{tp.__module__}.{tp.__qualname__}"
-        raise TypeError(f"return_state must be a bool, got {tname}")
-    return_state = bool(return_state)
+    scale, return_state = _check_call_options(scale, method, return_state)
     fp32_precision = _check_fp32_precision(fp32_precision)
     b, h, n, _ = qt.shape
     dv = vt.shape[3]

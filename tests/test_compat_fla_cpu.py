@@ -94,8 +94,6 @@ def test_what_is_not_supported_says_so(call):
     name = call.__name__
     with pytest.raises(NotImplementedError, match=rf"{name}: per-token gates g"):
         call(q, k, v, g=torch.zeros(B, T, H))
-    with pytest.raises(NotImplementedError, match="cu_seqlens"):
-        call(q, k, v, cu_seqlens=torch.tensor([0, 5, T]))
     with pytest.raises(NotImplementedError, match="head_first=True"):
         call(q, k, v, head_first=True)
     with pytest.raises(TypeError, match="unexpected keyword argument 'chunk_sizes'"):
@@ -117,5 +115,68 @@ def test_fused_recurrent_options_not_supported():
         fused_recurrent_simple_gla(q, k, v, reverse=True)
     with pytest.raises(NotImplementedError, match="state_v_first=True"):
         fused_recurrent_simple_gla(q, k, v, state_v_first=True)
-    with pytest.raises(NotImplementedError, match="cu_seqlens"):
-        chunk_simple_gla(q, k, v, cu_seqlens_cpu=torch.tensor([0, T]))
+
+
+# ----------------------------------------------------------------------------- packed sequences
+
+LENS = (4, 0, 70, 1)
+
+
+def _packed(seed=0):
+    """fla's packed form: [1, T, H, D] inputs, [S, H, K, V] initial states, cu_seqlens (int64)."""
+    g = torch.Generator().manual_seed(seed)
+    t = sum(LENS)
+    q, k = (torch.randn(1, t, H, K, generator=g, dtype=torch.float64) / 2 for _ in range(2))
+    v = torch.randn(1, t, H, V, generator=g, dtype=torch.float64)
+    s0 = torch.randn(len(LENS), H, K, V, generator=g, dtype=torch.float64)
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()])
+    return q, k, v, s0, cu
+
+
+def _loop_per_sequence(q, k, v, g_gamma, scale, s0, cu):
+    outs, states = [], []
+    for s in range(len(cu) - 1):
+        lo, hi = int(cu[s]), int(cu[s + 1])
+        if hi == lo:  # an empty sequence: no output, its initial state
+            states.append(s0[s])
+            continue
+        o, st = loop(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g_gamma, scale, s0[s:s + 1])
+        outs.append(o)
+        states.append(st[0])
+    return torch.cat(outs, 1), torch.stack(states)
+
+
+@pytest.mark.parametrize("call", CALLS, ids=lambda c: c.__name__)
+def test_cu_seqlens_equals_the_loop_per_sequence(call):
+    """Outputs, final states [S, H, K, V] and every gradient; an empty sequence keeps its state."""
+    q, k, v, s0, cu = (x.requires_grad_() if x.is_floating_point() else x for x in _packed())
+    g_gamma = torch.log(torch.tensor([0.5, 0.9, 1.0], dtype=torch.float64)).requires_grad_()
+    o, state = call(q, k, v, g_gamma=g_gamma, scale=0.7, initial_state=s0, output_final_state=True, cu_seqlens=cu)
+    ro, rs = _loop_per_sequence(q, k, v, g_gamma, 0.7, s0, cu)
+    assert o.shape == q.shape[:3] + (V,) and state.shape == (len(LENS), H, K, V)
+    torch.testing.assert_close(o, ro, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(state, rs, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(state[1], s0[1], rtol=0, atol=0)
+    inputs = (q, k, v, s0, g_gamma)
+    got = torch.autograd.grad(o.sum() + (state * 2).sum(), inputs)
+    want = torch.autograd.grad(ro.sum() + (rs * 2).sum(), inputs)
+    for name, a, b in zip(("dq", "dk", "dv", "dinitial_state", "dg_gamma"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=name)
+
+
+def test_cu_seqlens_cpu_is_fla_host_copy():
+    """Alone it is used (on q's device); next to cu_seqlens its values are checked on the host."""
+    q, k, v, s0, cu = _packed()
+    want, _ = chunk_simple_gla(q, k, v, g_gamma=-0.2, cu_seqlens=cu)
+    alone, _ = chunk_simple_gla(q, k, v, g_gamma=-0.2, cu_seqlens_cpu=cu.to(torch.int32))
+    both, _ = chunk_simple_gla(q, k, v, g_gamma=-0.2, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    torch.testing.assert_close(alone, want, rtol=0, atol=0)
+    torch.testing.assert_close(both, want, rtol=0, atol=0)
+    bad = cu.clone()
+    bad[1] = 80
+    with pytest.raises(ValueError, match="cu_seqlens must be non-decreasing"):
+        chunk_simple_gla(q, k, v, cu_seqlens=cu, cu_seqlens_cpu=bad)
+    with pytest.raises(ValueError, match="batch size 1"):
+        chunk_simple_gla(*(torch.cat([x, x]) for x in (q, k, v)), cu_seqlens=cu)
+    with pytest.raises(ValueError, match=r"initial_state must have shape \[S, H, Dk, Dv\]"):
+        chunk_simple_gla(q, k, v, initial_state=s0[:2], cu_seqlens=cu)

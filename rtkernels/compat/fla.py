@@ -16,10 +16,12 @@ names differ in their kernels only). Work O(T C (K + V) + T K V) per (batch, hea
 ``chunk`` kernel, like the call (README's methods table); the only extra operation is the
 negation of the ``[H]`` ``g_gamma`` (one tiny op, differentiable).
 
+Packed sequences: ``cu_seqlens`` (fla's ``[S + 1]`` offsets into ``[1, T, H, D]`` inputs, with
+``initial_state`` and the final state ``[S, H, K, V]``) is the call's own ``cu_seqlens``
+(:mod:`rtkernels.varlen`: a torch path on every device, no host sync).
+
 Not supported, each a ``NotImplementedError`` naming it: per-token gates ``g`` (``[B, T, H]``:
-rtkernels' decay is one constant per head), ``cu_seqlens`` / ``cu_seqlens_cpu`` (packed sequences
-of several lengths: call once per sequence and pass the final state on), and fla's
-``reverse=True`` and ``state_v_first=True``. ``g_gamma > 0`` (a growing state) is outside the
+rtkernels' decay is one constant per head), and fla's ``reverse=True`` and ``state_v_first=True``. ``g_gamma > 0`` (a growing state) is outside the
 decay's domain: a ``ValueError`` for a float or a CPU tensor, NaN outputs for that head from a
 CUDA tensor (read on the device with no sync, as the call's device decays).
 """
@@ -31,6 +33,7 @@ from typing import Any, Optional
 import torch
 
 from ..api import causal_linear_attention
+from ..varlen import check_cu_seqlens_values
 
 __all__ = ["chunk_simple_gla", "fused_recurrent_simple_gla"]
 
@@ -64,14 +67,26 @@ def _rate(name: str, g_gamma: Any, q: Any) -> Any:
     raise TypeError(f"{name}: g_gamma must be None, a float or a tensor of shape [H], got {type(g_gamma).__name__}")
 
 
+def _host_offsets(cu_seqlens: Any, cu_seqlens_cpu: Any, q: Any) -> Any:
+    """The offsets to use given fla's host copy: ``cu_seqlens`` if given, else the copy on q's
+    device; the copy's values are checked here, where reading them costs no sync."""
+    if not isinstance(cu_seqlens_cpu, torch.Tensor) or cu_seqlens_cpu.device.type != "cpu":
+        raise TypeError("chunk_simple_gla: cu_seqlens_cpu must be a CPU tensor (fla's host copy of cu_seqlens), got "
+                        + (f"a tensor on {cu_seqlens_cpu.device}" if isinstance(cu_seqlens_cpu, torch.Tensor)
+                           else type(cu_seqlens_cpu).__name__))
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and cu_seqlens_cpu.dim() == 1 and cu_seqlens_cpu.shape[0] >= 1 \
+            and not cu_seqlens_cpu.is_floating_point() and not torch.compiler.is_compiling():
+        check_cu_seqlens_values(cu_seqlens_cpu, q.shape[1])  # else the call names what is wrong
+    if cu_seqlens is not None:
+        return cu_seqlens
+    return cu_seqlens_cpu.to(q.device) if isinstance(q, torch.Tensor) else cu_seqlens_cpu
+
+
 def _simple_gla(name: str, q: Any, k: Any, v: Any, g: Any, g_gamma: Any, scale: Optional[float],
                 initial_state: Any, output_final_state: Any, cu_seqlens: Any, extra: dict) -> tuple[Any, Any]:
     if g is not None:
         raise _unsupported(name, "per-token gates g ([B, T, H])",
                            "rtkernels' decay is one constant per head: pass it as g_gamma ([H], the log decay)")
-    if cu_seqlens is not None:
-        raise _unsupported(name, "cu_seqlens (variable-length packed sequences)",
-                           "call once per sequence and pass its final state on as initial_state")
     for key, value in extra.items():
         if key not in _FLA_DEFAULTS:
             raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
@@ -87,7 +102,7 @@ def _simple_gla(name: str, q: Any, k: Any, v: Any, g: Any, g_gamma: Any, scale: 
     if isinstance(initial_state, torch.Tensor) and initial_state.dtype in (torch.float16, torch.bfloat16):
         initial_state = initial_state.float()  # fla takes a 16-bit state and computes in float32, as here
     res = causal_linear_attention(q, k, v, decay_rate=rate, scale=scale, layout="bnhd", initial_state=initial_state,
-                                  return_state=output_final_state)
+                                  return_state=output_final_state, cu_seqlens=cu_seqlens)
     return res if output_final_state else (res, None)
 
 
@@ -106,7 +121,12 @@ def chunk_simple_gla(q: Any, k: Any, v: Any, g: Any = None, g_gamma: Any = None,
         initial_state: ``[B, H, K, V]`` state to continue from (float32, or float64 for float64
             inputs; a 16-bit state is taken as float32).
         output_final_state: also return the final state.
-        cu_seqlens, cu_seqlens_cpu: packed sequences: not supported (``NotImplementedError``).
+        cu_seqlens: ``[S + 1]`` int32/int64 offsets of S sequences packed into ``B = 1`` (on q's
+            device), as the call's ``cu_seqlens``: ``initial_state`` and the final state become
+            ``[S, H, K, V]``; a torch path on every device (:mod:`rtkernels.varlen`).
+        cu_seqlens_cpu: fla's host copy of ``cu_seqlens``: its values are checked on the host
+            (``ValueError``, no device sync); without ``cu_seqlens`` it is copied to q's device
+            and used.
         **kwargs: fla's other options at their defaults (``head_first=False``); another value
             raises ``NotImplementedError`` naming it, an unknown name ``TypeError``.
 
@@ -116,7 +136,7 @@ def chunk_simple_gla(q: Any, k: Any, v: Any, g: Any = None, g_gamma: Any = None,
         Complexity: the ``chunk`` method's, O(T C (K + V) + T K V) per (batch, head).
     """
     if cu_seqlens_cpu is not None:
-        cu_seqlens = cu_seqlens_cpu
+        cu_seqlens = _host_offsets(cu_seqlens, cu_seqlens_cpu, q)
     return _simple_gla("chunk_simple_gla", q, k, v, g, g_gamma, scale, initial_state, output_final_state,
                        cu_seqlens, kwargs)
 

@@ -1,0 +1,183 @@
+"""Packed variable-length batches on the GPU (marker ``gpu``; ``cu_seqlens``, rtkernels.varlen): outputs,
+final states and every gradient against the fp64 reference run per sequence and against one ordinary
+call per sequence (the kernels), in bf16, fp16 and fp32; forward and backward under
+``torch.cuda.set_sync_debug_mode("error")`` (no host sync); a CUDA-graph capture replayed equal to an
+eager call; invalid offsets on the device giving NaN."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import rtkernels
+from reference import reference
+from tolerances import assert_close
+
+pytestmark = pytest.mark.gpu
+
+F64 = torch.float64
+GAMMAS = (1e-6, 0.9, 0.99, 1.0)
+H, DK, DV = len(GAMMAS), 64, 48
+LENS = (0, 1, 63, 0, 64, 65, 2000, 0)
+N = sum(LENS)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SCALE = 0.75
+
+
+def offsets(lens, dtype=torch.int32) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=dtype, device="cuda")
+
+
+def packed(dtype, layout="bhnd", seed=0, lens=LENS):
+    """q, k, v ``[1, H, N, D]`` (or ``[1, N, H, D]``) in ``dtype``, fp32 ``[S, H, Dk, Dv]`` initial
+    states and an fp32 gamma tensor, all on the GPU."""
+    n = sum(lens)
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(*shape, std=1.0):
+        x = torch.randn(shape, generator=g, dtype=F64) * std
+        return x if layout == "bhnd" or len(shape) != 4 else x.transpose(1, 2).contiguous()
+
+    q = draw(1, H, n, DK, std=DK ** -0.5).to("cuda", dtype)
+    k = draw(1, H, n, DK, std=DK ** -0.5).to("cuda", dtype)
+    v = draw(1, H, n, DV).to("cuda", dtype)
+    s0 = (torch.randn(len(lens), H, DK, DV, generator=g, dtype=F64) * DK ** -0.5).to("cuda", torch.float32)
+    return q, k, v, s0, torch.tensor(GAMMAS, dtype=torch.float32, device="cuda")
+
+
+def per_sequence(fn, q, k, v, s0, layout, lens=LENS):
+    """``fn(q_s, k_s, v_s, s0_s) -> (output, state)`` per non-empty sequence (an empty one keeps its
+    state); the outputs end to end and the states stacked, in float64."""
+    dim = 2 if layout == "bhnd" else 1
+    outs, states, lo = [], [], 0
+    for s, n in enumerate(lens):
+        if n == 0:
+            states.append(s0[s].double())
+            continue
+        o, st = fn(*(x.narrow(dim, lo, n) for x in (q, k, v)), s0[s:s + 1])
+        outs.append(o.double())
+        states.append(st[0].double())
+        lo += n
+    return torch.cat(outs, dim), torch.stack(states)
+
+
+def varlen(q, k, v, s0, gamma, layout, cu=None):
+    return rtkernels.causal_linear_attention(q, k, v, gamma, scale=SCALE, layout=layout, initial_state=s0,
+                                             return_state=True, cu_seqlens=offsets(LENS) if cu is None else cu)
+
+
+def fp64_reference(q, k, v, s0, gamma, layout):
+    return per_sequence(lambda a, b, c, s: reference(a, b, c, gamma, SCALE, layout, s), q, k, v, s0, layout)
+
+
+def ordinary(q, k, v, s0, gamma, layout):
+    return per_sequence(lambda a, b, c, s: rtkernels.causal_linear_attention(
+        a, b, c, gamma, scale=SCALE, layout=layout, initial_state=s, return_state=True), q, k, v, s0, layout)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_outputs_and_states(dtype, layout):
+    q, k, v, s0, gamma = packed(dtype, layout)
+    out, state = varlen(q, k, v, s0, gamma, layout)
+    assert out.dtype == dtype and out.shape == q.shape[:3] + (DV,) and out.is_contiguous()
+    assert state.dtype == torch.float32 and state.shape == (len(LENS), H, DK, DV)
+    ro, rs = fp64_reference(q, k, v, s0, gamma, layout)
+    assert_close(out, ro, dtype, "output vs fp64 reference", N)
+    assert_close(state, rs, torch.float32, "states vs fp64 reference", N)
+    oo, os_ = ordinary(q, k, v, s0, gamma, layout)
+    assert_close(out, oo, dtype, "output vs one call per sequence", N)
+    assert_close(state, os_, torch.float32, "states vs one call per sequence", N)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gradients(dtype, layout):
+    """dq, dk, dv, d(initial_state) and d(gamma) (a CUDA tensor) from the outputs and the states."""
+    q, k, v, s0, gamma = packed(dtype, layout, seed=1)
+    g = torch.Generator().manual_seed(2)
+    # representable in dtype: the gradient reaching a 16-bit output is rounded to it
+    w_out = torch.randn(q.shape[:3] + (DV,), generator=g, dtype=F64).to(dtype).to("cuda", F64)
+    w_state = torch.randn(tuple(s0.shape), generator=g, dtype=F64).to("cuda")
+
+    def grads(run):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, s0, gamma)]
+        out, state = run(*leaves, layout)
+        loss = (out.double() * w_out).sum() + (state.double() * w_state).sum()
+        return torch.autograd.grad(loss, leaves)
+
+    got, want, calls = grads(varlen), grads(fp64_reference), grads(ordinary)
+    for i, name in enumerate(("dq", "dk", "dv", "dinitial_state", "dgamma")):
+        tol = dtype if i < 3 else torch.float32  # the state and the decay are accumulated in fp32
+        assert got[i].dtype == (q, k, v, s0, gamma)[i].dtype, name
+        assert_close(got[i], want[i], tol, f"{name} vs fp64 reference", N)
+        if i < 4:  # (the kernel backward's dgamma has its own tests)
+            assert_close(got[i], calls[i], dtype, f"{name} vs one call per sequence", N)
+
+
+def test_no_host_sync_forward_and_backward():
+    """CUDA offsets, a trainable CUDA gamma and initial states: nothing syncs the host."""
+    q, k, v, s0, gamma = packed(torch.bfloat16, "bnhd")
+    leaves = [x.requires_grad_() for x in (q, k, v, s0, gamma)]
+    cu = offsets(LENS)
+
+    def step():
+        out, state = varlen(q, k, v, s0, gamma, "bnhd", cu)
+        (out.float().sum() + state.sum()).backward()
+
+    step()  # first-call work (caches, cuBLAS handles) outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in leaves)
+
+
+def test_cuda_graph_capture_replays_equal_to_eager():
+    """Captured once; replayed after new q and new offsets (same S) are copied in: equal to eager."""
+    q, k, v, s0, gamma = packed(torch.bfloat16)
+    cu = offsets(LENS)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        varlen(q, k, v, s0, gamma, "bhnd", cu)  # warm-up on a side stream, as capture requires
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, state = varlen(q, k, v, s0, gamma, "bhnd", cu)
+    for lens in (LENS, (2000, 0, 1, 63, 64, 65, 0, 0), (N - 7, 7, 0, 0, 0, 0, 0, 0)):
+        cu.copy_(offsets(lens))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out, eager_state = varlen(q, k, v, s0, gamma, "bhnd", cu)
+        assert torch.equal(out, eager_out), f"replay differs from the eager call ({lens})"
+        torch.testing.assert_close(state, eager_state, rtol=1e-5, atol=1e-5)
+        ro, _ = per_sequence(lambda a, b, c, s: reference(a, b, c, gamma, SCALE, "bhnd", s), q, k, v, s0, "bhnd",
+                             lens)
+        assert_close(out, ro, torch.bfloat16, f"replay {lens}", N)
+
+
+@pytest.mark.parametrize("cu", [[0, 50, 10, N], [3, 60, N], [0, 60, N - 1], [0, 60, 1 << 40]],
+                         ids=["decreasing", "late-start", "short-end", "huge"])
+def test_invalid_offsets_give_nan(cu):
+    """Values on the device are never read on the host: invalid ones give NaN, no fault."""
+    q, k, v, s0, gamma = packed(torch.float16, lens=(N,) + (0,) * (len(cu) - 2))
+    out, state = rtkernels.causal_linear_attention(q, k, v, gamma, initial_state=s0, return_state=True,
+                                                   cu_seqlens=torch.tensor(cu, device="cuda"))
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all() and torch.isnan(state).all()
+
+
+def test_errors_on_the_device():
+    q, k, v, _, _ = packed(torch.float32, lens=(5, 6))
+    with pytest.raises(ValueError, match=r"cu_seqlens must be on the device of q \(cuda:0\), got cpu"):
+        rtkernels.causal_linear_attention(q, k, v, cu_seqlens=torch.tensor([0, 5, 11]))
+    with pytest.raises(ValueError, match="initial_state must be on the device of q"):
+        rtkernels.causal_linear_attention(q, k, v, cu_seqlens=offsets((5, 6)),
+                                          initial_state=torch.zeros(2, H, DK, DV))
+    assert math.isfinite(float(rtkernels.causal_linear_attention(q, k, v, cu_seqlens=offsets((5, 6))).sum()))

@@ -1,0 +1,279 @@
+"""Packed variable-length batches on the CPU (``cu_seqlens``, rtkernels.varlen): outputs, final states
+and every gradient against one ordinary call per sequence and against the fp64 reference run per
+sequence, for lengths 0, 1, 63, 64, 65 and 2000 in one batch, both layouts, fp64/fp32/bf16 and
+gamma in {1e-6, 0.9, 0.99, 1}; the errors for malformed inputs; invalid offsets read without a host
+check (what a CUDA tensor gets); the call cache and torch.compile leaving varlen calls alone."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import rtkernels
+from rtkernels import api, call_cache, varlen
+from rtkernels.decay import LogDecay
+from inputs import compute_state_dtype, layout_shape, randn, seq_slice, state_tolerance_dtype
+from reference import reference
+from tolerances import assert_close
+
+F64 = torch.float64
+#: One head per decay: forgets at once, two where a wrong power of gamma shows, keeps everything.
+GAMMAS = (1e-6, 0.9, 0.99, 1.0)
+H, DK, DV = len(GAMMAS), 8, 6
+#: Empty sequences (first, middle, last), one token, around the chunk size (64), one long sequence.
+LENS = (0, 1, 63, 0, 64, 65, 2000, 0)
+DTYPES = (F64, torch.float32, torch.bfloat16)
+SCALE = 0.75
+
+
+def offsets(lens, dtype=torch.int64) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=dtype)
+
+
+def packed(lens, dtype, layout, seed=0):
+    """q, k, v (batch 1, the sequences end to end in ``layout``), ``[S, H, Dk, Dv]`` initial states
+    in the state dtype, the gamma tensor; values drawn in float64 and rounded to ``dtype``."""
+    n = sum(lens)
+    g = torch.Generator().manual_seed(seed)
+    q = randn(g, layout_shape(1, H, n, DK, layout), dtype, 1 / math.sqrt(DK))
+    k = randn(g, layout_shape(1, H, n, DK, layout), dtype, 1 / math.sqrt(DK))
+    v = randn(g, layout_shape(1, H, n, DV, layout), dtype)
+    s0 = randn(g, (len(lens), H, DK, DV), compute_state_dtype(dtype), 1 / math.sqrt(DK))
+    return q, k, v, s0, torch.tensor(GAMMAS, dtype=F64)
+
+
+def per_sequence(fn, lens, q, k, v, s0, layout):
+    """Run ``fn(q_s, k_s, v_s, s0_s)`` -> (output, state) on each non-empty sequence; an empty one
+    keeps its initial state. Returns the outputs end to end and the stacked states."""
+    outs, states, lo = [], [], 0
+    for s, n in enumerate(lens):
+        if n == 0:
+            states.append(s0[s])
+            continue
+        o, st = fn(*(seq_slice(x, lo, lo + n, layout) for x in (q, k, v)), s0[s:s + 1])
+        outs.append(o)
+        states.append(st[0])
+        lo += n
+    return torch.cat(outs, dim=2 if layout == "bhnd" else 1), torch.stack([x.double() for x in states])
+
+
+def reference_per_sequence(lens, q, k, v, s0, gamma, layout):
+    return per_sequence(lambda a, b, c, s: reference(a, b, c, gamma, SCALE, layout, s), lens, q, k, v, s0, layout)
+
+
+def ordinary_per_sequence(lens, q, k, v, s0, decay, layout):
+    def call(a, b, c, s):
+        return rtkernels.causal_linear_attention(a, b, c, decay, scale=SCALE, layout=layout, initial_state=s,
+                                                 return_state=True)
+    return per_sequence(call, lens, q, k, v, s0, layout)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_outputs_and_states(dtype, layout):
+    q, k, v, s0, gamma = packed(LENS, dtype, layout)
+    n = sum(LENS)
+    for cu_dtype in (torch.int32, torch.int64):
+        out, state = rtkernels.causal_linear_attention(q, k, v, gamma, scale=SCALE, layout=layout, initial_state=s0,
+                                                       return_state=True, cu_seqlens=offsets(LENS, cu_dtype))
+        assert out.shape == q.shape[:3] + (DV,) and out.dtype == dtype and out.is_contiguous()
+        assert state.shape == (len(LENS), H, DK, DV) and state.dtype == compute_state_dtype(dtype)
+        ro, rs = reference_per_sequence(LENS, q, k, v, s0, gamma, layout)
+        assert_close(out, ro, dtype, "output vs fp64 reference", n)
+        assert_close(state, rs, state_tolerance_dtype(dtype), "states vs fp64 reference", n)
+    oo, os_ = ordinary_per_sequence(LENS, q, k, v, s0, gamma, layout)
+    assert_close(out, oo.double(), dtype, "output vs one call per sequence", n)
+    assert_close(state, os_.double(), state_tolerance_dtype(dtype), "states vs one call per sequence", n)
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gradients(dtype, layout):
+    """dq, dk, dv, d(initial_state) and d(decay) from the outputs and the final states."""
+    q, k, v, s0, gamma = packed(LENS, dtype, layout, seed=1)
+    n = sum(LENS)
+    g = torch.Generator().manual_seed(2)
+    # representable in dtype: the gradient reaching a 16-bit output is rounded to it
+    w_out = randn(g, layout_shape(1, H, n, DV, layout), dtype).to(F64)
+    w_state = randn(g, tuple(s0.shape), F64)
+
+    def grads(run):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, s0, gamma)]
+        out, state = run(*leaves)
+        loss = (out.double() * w_out).sum() + (state.double() * w_state).sum()
+        return torch.autograd.grad(loss, leaves)
+
+    got = grads(lambda a, b, c, s, gm: rtkernels.causal_linear_attention(
+        a, b, c, gm, scale=SCALE, layout=layout, initial_state=s, return_state=True, cu_seqlens=offsets(LENS)))
+    want = grads(lambda a, b, c, s, gm: reference_per_sequence(LENS, a, b, c, s, gm, layout))
+    ordinary = grads(lambda a, b, c, s, gm: ordinary_per_sequence(LENS, a, b, c, s, gm, layout))
+    names = ("dq", "dk", "dv", "dinitial_state", "ddecay")
+    for name, a, b, o, x in zip(names, got, want, ordinary, (q, k, v, s0, gamma)):
+        assert a.dtype == x.dtype and a.shape == x.shape, name
+        tol = dtype if name in ("dq", "dk", "dv") else state_tolerance_dtype(dtype)
+        assert_close(a, b, tol, f"{name} vs fp64 reference", n)
+        assert_close(a, o.double(), tol, f"{name} vs one call per sequence", n)
+
+
+def test_decay_rate_tensor_gradient():
+    """A rate tensor that requires grad gets dL/dr = -gamma dL/dgamma."""
+    lens = (5, 0, 70)
+    q, k, v, s0, gamma = packed(lens, F64, "bhnd", seed=3)
+    rate = (-torch.log(gamma)).requires_grad_()
+    gm = gamma.clone().requires_grad_()
+    out = rtkernels.causal_linear_attention(q, k, v, decay_rate=rate, cu_seqlens=offsets(lens), initial_state=s0)
+    ref, _ = per_sequence(lambda a, b, c, s: reference(a, b, c, gm, 1.0, "bhnd", s), lens, q, k, v, s0, "bhnd")
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    (d_rate,) = torch.autograd.grad(out.sum(), rate)
+    (d_gamma,) = torch.autograd.grad(ref.sum(), gm)
+    torch.testing.assert_close(d_rate, -gamma * d_gamma, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", rtkernels.METHOD_NAMES)
+def test_every_method_name_runs_the_varlen_path(method):
+    lens = (3, 0, 40)
+    q, k, v, s0, gamma = packed(lens, torch.float32, "bnhd")
+    want = rtkernels.causal_linear_attention(q, k, v, 0.9, layout="bnhd", cu_seqlens=offsets(lens))
+    got = rtkernels.causal_linear_attention(q, k, v, 0.9, layout="bnhd", method=method, cu_seqlens=offsets(lens))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_no_initial_state_empty_sequences_get_zeros():
+    lens = (0, 7, 0)
+    q, k, v, _, _ = packed(lens, F64, "bhnd")
+    out, state = rtkernels.causal_linear_attention(q, k, v, 0.5, cu_seqlens=offsets(lens), return_state=True)
+    ref, ref_state = reference(q, k, v, torch.full((H,), 0.5, dtype=F64))
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    assert (state[0] == 0).all() and (state[2] == 0).all()
+    torch.testing.assert_close(state[1], ref_state[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("lens", [(0,), (0, 0, 0), ()], ids=["one-empty", "three-empty", "no-sequences"])
+def test_no_tokens(lens):
+    """N = 0: an empty output; each sequence's state is its initial state, with its gradient."""
+    q, k, v, s0, _ = packed(lens, torch.float32, "bhnd")
+    s0.requires_grad_()
+    out, state = rtkernels.causal_linear_attention(q, k, v, 0.9, cu_seqlens=offsets(lens), initial_state=s0,
+                                                   return_state=True)
+    assert out.shape == (1, H, 0, DV) and state.shape == (len(lens), H, DK, DV)
+    torch.testing.assert_close(state, s0, rtol=0, atol=0)
+    if lens:
+        (d,) = torch.autograd.grad(state.sum(), s0)
+        assert (d == 1).all()
+
+
+def _bad_call(q, k, v, cu, **kw):
+    return rtkernels.causal_linear_attention(q, k, v, 0.9, cu_seqlens=cu, **kw)
+
+
+def test_bad_inputs_name_cu_seqlens():
+    lens = (3, 5)
+    q, k, v, s0, _ = packed(lens, torch.float32, "bhnd")
+    cu = offsets(lens)
+    with pytest.raises(TypeError, match="cu_seqlens must be an int32 or int64 tensor.*float32"):
+        _bad_call(q, k, v, cu.float())
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor or a CUDA array"):
+        _bad_call(q, k, v, [0, 3, 8])
+    with pytest.raises(ValueError, match=r"cu_seqlens must be a 1-D tensor \[S \+ 1\].*shape \(1, 3\)"):
+        _bad_call(q, k, v, cu[None])
+    with pytest.raises(ValueError, match=r"cu_seqlens must be a 1-D tensor \[S \+ 1\].*shape \(0,\)"):
+        _bad_call(q, k, v, cu[:0])
+    with pytest.raises(ValueError, match="no sequences"):
+        _bad_call(q, k, v, cu[:1])
+    with pytest.raises(TypeError, match="cu_seqlens must hold data"):
+        _bad_call(q, k, v, cu.to("meta"))
+    with pytest.raises(ValueError, match="batch size 1, got B = 2"):
+        _bad_call(*(torch.cat([x, x]) for x in (q, k, v)), cu)
+    with pytest.raises(ValueError, match=r"initial_state must have shape \[S, H, Dk, Dv\] = \[2, 4, 8, 6\] "
+                                         r"\(one state per sequence of cu_seqlens\)"):
+        _bad_call(q, k, v, cu, initial_state=s0[:1])
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0, got cu_seqlens\\[0\\] = 1"):
+        _bad_call(q, k, v, torch.tensor([1, 3, 8]))
+    with pytest.raises(ValueError, match="cu_seqlens must end at N = 8.*cu_seqlens\\[2\\] = 7"):
+        _bad_call(q, k, v, torch.tensor([0, 3, 7]))
+    with pytest.raises(ValueError, match="non-decreasing.*cu_seqlens\\[1\\] = 5 > cu_seqlens\\[2\\] = 4"):
+        _bad_call(q, k, v, torch.tensor([0, 5, 4, 8]))
+    with pytest.raises(ValueError, match="method must be one of"):
+        _bad_call(q, k, v, cu, method="nope")
+    with pytest.raises(ValueError, match="scale must be finite"):
+        _bad_call(q, k, v, cu, scale=math.inf)
+
+
+@pytest.mark.parametrize("cu", [[0, 50, 10, 130], [3, 60, 130], [0, 60, 125], [0, 60, 1 << 40], [-9, 200, 130]],
+                         ids=["decreasing", "late-start", "short-end", "huge", "negative"])
+def test_invalid_offsets_read_on_the_device_give_nan(cu):
+    """What a CUDA cu_seqlens gets (values never read on the host): every index stays in range and
+    every output and state is NaN."""
+    n = 130
+    q, k, v, s0, gamma = packed((n,) + (0,) * (len(cu) - 2), torch.float32, "bhnd")
+    out, state = varlen.varlen_attention(q, k, v, torch.tensor(cu), LogDecay(q.device, host=(-0.1,) * H), 1.0,
+                                         s0, True, checked_values=False)
+    assert out.shape == (1, H, n, DV) and torch.isnan(out).all() and torch.isnan(state).all()
+
+
+def test_unchecked_valid_offsets_are_not_nan():
+    lens = (10, 0, 120)
+    q, k, v, s0, _ = packed(lens, torch.float32, "bhnd")
+    ld = LogDecay(q.device, host=(math.log(0.9),) * H)
+    a = varlen.varlen_attention(q, k, v, offsets(lens), ld, 1.0, s0, True, checked_values=False)
+    b = varlen.varlen_attention(q, k, v, offsets(lens), ld, 1.0, s0, True, checked_values=True)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_the_call_cache_never_serves_a_varlen_call():
+    """A cached plan under the same non-varlen signature is not taken, and varlen calls add none."""
+    lens = (4, 9)
+    q, k, v, _, _ = packed(lens, torch.float32, "bhnd")
+    args = (q, k, v, 0.9, None, 1.0, "auto", "bhnd", None, False, None)
+    key = call_cache.call_key(*args)
+    assert key is not None
+
+    def launcher(*a):
+        raise AssertionError("a varlen call took the cached launch of a call without cu_seqlens")
+
+    call_cache.clear()
+    try:
+        call_cache.remember(key, launcher, torch.empty(1, H, sum(lens), DV), v, False)
+        out = rtkernels.causal_linear_attention(q, k, v, 0.9, cu_seqlens=offsets(lens))
+        assert call_cache.size() == 1
+        ref, _ = per_sequence(lambda a, b, c, s: reference(a, b, c, torch.full((H,), 0.9)), lens, q, k, v,
+                              torch.zeros(2, H, DK, DV), "bhnd")
+        assert_close(out, ref, torch.float32)
+    finally:
+        call_cache.clear()
+
+
+@pytest.mark.parametrize("decay", ["float", "tensor"])
+def test_torch_compile_traces_the_varlen_path(monkeypatch, decay):
+    """Under torch.compile the call never reaches the torch.library op (which has no cu_seqlens):
+    one graph with a float decay; a CPU decay tensor's values are read on the host (a graph break)."""
+    def no_op(*a, **kw):
+        raise AssertionError("a varlen call was routed to the op, losing cu_seqlens")
+
+    monkeypatch.setattr(api, "op_call", no_op)
+    lens = (5, 0, 70, 20)
+    q, k, v, s0, gamma = packed(lens, torch.float32, "bnhd")
+    cu = offsets(lens)
+    if decay == "float":
+        gamma = 0.9
+
+    def f(q, k, v, s0, gamma, cu):
+        out, state = rtkernels.causal_linear_attention(q, k, v, gamma, layout="bnhd", initial_state=s0,
+                                                       return_state=True, cu_seqlens=cu)
+        return out.sum() + state.sum(), out, state
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=decay == "float")
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, s0)]
+    loss, out, state = compiled(*leaves, gamma, cu)
+    got = torch.autograd.grad(loss, leaves)
+    eager_leaves = [x.clone().requires_grad_() for x in (q, k, v, s0)]
+    loss_e, out_e, state_e = f(*eager_leaves, gamma, cu)
+    want = torch.autograd.grad(loss_e, eager_leaves)
+    torch.testing.assert_close(out, out_e)
+    torch.testing.assert_close(state, state_e)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
