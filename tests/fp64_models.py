@@ -11,6 +11,7 @@
   order), exact or with per-pass mutant exponents.
 * :func:`blockwise` -- the recurrence in fp64 blocks on the GPU (the state carried from block to
   block), differentiable: references for sequences where an N x N mask does not fit.
+* :func:`decode_step` -- a decode step against a pool of states, token by token.
 * :func:`sampled_rows` -- exact fp64 rows ``o_i`` (or, reversed, ``sum_{i>=j}``) for a few sampled
   positions of a very long sequence, by the closed form, streaming over the tokens.
 
@@ -279,3 +280,26 @@ def log_decay_grad_long(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                 jo, _ = blockwise(qs, ks, vs.to(F64) * pos, gam, scale, block=block)
                 total[hh] += (gs.to(F64) * (pos * o - jo)).sum()
         return total
+
+
+def decode_step(q, k, v, pool, gamma, scale, indices, layout="bhnd"):
+    """A decode step against a pool of states, token by token in fp64 on q's device:
+    ``(output in layout, pool after the step)``. Sequence b advances row ``indices[b]`` (None: row
+    b; a sequence, list or tensor of ints) by S <- gamma S + k_t^T v_t, o_t = scale q_t S; a row
+    outside [0, S) is padding (zero output, no row touched)."""
+    if layout == "bnhd":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    q, k, v = (x.double() for x in (q, k, v))
+    new = pool.to(q.device, torch.float64).clone()
+    out = torch.zeros(q.shape[0], q.shape[1], q.shape[2], v.shape[3], dtype=torch.float64, device=q.device)
+    g = torch.as_tensor(gamma).to(q.device, torch.float64).view(-1, 1, 1)
+    rows = range(q.shape[0]) if indices is None else (indices.tolist() if torch.is_tensor(indices) else indices)
+    for b, row in enumerate(rows):
+        if not 0 <= row < new.shape[0]:
+            continue
+        state = new[row]
+        for t in range(q.shape[2]):
+            state = g * state + k[b, :, t, :, None] * v[b, :, t, None, :]
+            out[b, :, t] = scale * torch.einsum("hk,hkv->hv", q[b, :, t], state)
+        new[row] = state
+    return (out if layout == "bhnd" else out.transpose(1, 2)), new

@@ -12,6 +12,7 @@ import torch
 
 import rtkernels
 from inputs import DECAY_FORMS, LAYOUTS, decay_args, layout_shape, make_qkv, seq_slice
+from fp64_models import decode_step as fp64_step
 from reference import reference
 from tolerances import assert_close
 
@@ -22,27 +23,6 @@ B, H, DK, DV, S = 3, 2, 5, 7, 6
 #: Sequence b uses row INDICES[b]: permuted, a padding entry, rows 1, 2, 3 unused.
 INDICES = (4, -1, 0)
 GAMMAS = [0.9, 1e-6]
-
-
-def fp64_step(q, k, v, pool, gamma, scale, indices, layout):
-    """(output in ``layout``, pool after the step), both float64: the recurrence token by token,
-    gamma S + k^T v, written independently of the library."""
-    if layout == "bnhd":
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    q, k, v = (x.double() for x in (q, k, v))
-    new = pool.double().clone()
-    out = torch.zeros(q.shape[0], q.shape[1], q.shape[2], v.shape[3], dtype=torch.float64)
-    g = gamma.double().view(-1, 1, 1)
-    for b in range(q.shape[0]):
-        row = b if indices is None else int(indices[b])
-        if row < 0:
-            continue
-        state = new[row]
-        for t in range(q.shape[2]):
-            state = g * state + k[b, :, t, :, None] * v[b, :, t, None, :]
-            out[b, :, t] = scale * torch.einsum("hk,hkv->hv", q[b, :, t], state)
-        new[row] = state
-    return (out if layout == "bhnd" else out.transpose(1, 2)), new
 
 
 def make_pool(seed, slots=S, h=H, dk=DK, dv=DV, dtype=torch.float32):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import rtkernels
+from fp64_models import decode_step as fp64_step
 from reference import reference
 from tolerances import assert_close
 
@@ -21,27 +22,6 @@ decode_module = importlib.import_module("rtkernels.decode")  # rtkernels.decode 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 GAMMAS = (1e-6, 0.9, 0.99, 1.0)
-
-
-def fp64_step(q, k, v, pool, gamma, scale, indices, layout="bhnd"):
-    """(output, pool after the step) in float64 on the GPU: the recurrence token by token,
-    gamma S + k^T v, written independently of the library; a row outside [0, S) is padding."""
-    if layout == "bnhd":
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
-    q, k, v = (x.double() for x in (q, k, v))
-    new = pool.double().clone()
-    out = torch.zeros(q.shape[0], q.shape[1], q.shape[2], v.shape[3], dtype=torch.float64, device=q.device)
-    g = gamma.to(q.device, torch.float64).view(-1, 1, 1)
-    rows = list(range(q.shape[0])) if indices is None else indices.tolist()
-    for b, row in enumerate(rows):
-        if not 0 <= row < pool.shape[0]:
-            continue
-        state = new[row]
-        for t in range(q.shape[2]):
-            state = g * state + k[b, :, t, :, None] * v[b, :, t, None, :]
-            out[b, :, t] = scale * torch.einsum("hk,hkv->hv", q[b, :, t], state)
-        new[row] = state
-    return (out if layout == "bhnd" else out.transpose(1, 2)), new
 
 
 def inputs(b, h, t, dk, dv, dtype, slots, seed=0, layout="bhnd"):
