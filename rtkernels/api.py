@@ -260,6 +260,17 @@ def _check_call_options(scale: Any, method: Any, return_state: Any) -> tuple[flo
     return scale, bool(return_state)
 
 
+def _results(out: torch.Tensor, state: Optional[torch.Tensor], return_state: bool, kind: str) -> Any:
+    """The call's return value: ``out`` or ``(out, state)``, as CuPy arrays (DLPack, no copy) when
+    the inputs were CuPy arrays (which carry no gradient: detached)."""
+    if kind == "cupy":
+        import cupy
+
+        out = cupy.from_dlpack(out.detach())
+        state = None if state is None else cupy.from_dlpack(state.detach())
+    return (out, state) if return_state else out
+
+
 def _varlen_call(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, method: Any, layout: Any,
                  initial_state: Any, return_state: Any, fp32_precision: Any, cu_seqlens: Any) -> Any:
     """A call with ``cu_seqlens``: the same checks, then :func:`rtkernels.varlen.varlen_attention`
@@ -285,12 +296,7 @@ def _varlen_call(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any
     needs_grad(kind, qt, kt, vt, s0, log_decay)  # only for its TypeError (CuPy outputs carry no gradient)
     out, state = _varlen.varlen_attention(qt, kt, vt, cu, log_decay, scale, s0, return_state, checked)
     out = out.transpose(1, 2).contiguous() if layout == "bnhd" else out
-    if kind == "cupy":
-        import cupy
-
-        out = cupy.from_dlpack(out.detach())
-        state = None if state is None else cupy.from_dlpack(state.detach())
-    return (out, state) if return_state else out
+    return _results(out, state, return_state, kind)
 
 
 def causal_linear_attention(
@@ -424,9 +430,4 @@ def causal_linear_attention(
         else:
             state = run_method(name, qt, kt, vt, log_decay, scale, out_view, s0, return_state,
                                fp32_precision=fp32_precision)
-    if kind == "cupy":
-        import cupy
-
-        out = cupy.from_dlpack(out)
-        state = None if state is None else cupy.from_dlpack(state)
-    return (out, state) if return_state else out
+    return _results(out, state, return_state, kind)
