@@ -89,7 +89,9 @@ def test_outputs_and_states(dtype, layout):
     assert_close(state, rs, torch.float32, "states vs fp64 reference", N)
     oo, os_ = ordinary(q, k, v, s0, gamma, layout)
     assert_close(out, oo, dtype, "output vs one call per sequence", N)
-    assert_close(state, os_, torch.float32, "states vs one call per sequence", N)
+    # the 16-bit kernel rounds the decay-weighted keys to the input dtype before its state products
+    # (the varlen path keeps them in fp32), so two fp32 states agree only to the input's precision
+    assert_close(state, os_, dtype, "states vs one call per sequence", N)
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
