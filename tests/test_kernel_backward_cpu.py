@@ -21,6 +21,7 @@ import test_grad_cpu as grad_cpu
 from inputs import make_qkv, make_state, randn
 from reference import reference
 from rtkernels.decay import LogDecay
+from rtkernels.methods.chunk import backward as chunk_backward
 from rtkernels.methods.chunk.backward import forward_pass, kernel_backward, supports
 from tolerances import assert_close
 
@@ -181,3 +182,33 @@ def test_registered_in_front_for_kernel_inputs_only():
     q = torch.zeros(1, 1, 4, 8, dtype=torch.bfloat16)
     assert not supports(q, q)
     assert rk_autograd.backward_impl(q, q) is rk_autograd.torch_backward
+
+
+@pytest.mark.parametrize("reverse", (False, True))
+@pytest.mark.parametrize("dv", (16, 40, 3))
+def test_value_pieces_add_up_to_the_whole_pass(monkeypatch, reverse, dv):
+    """The dq / dk passes of a Dv wider than the kernel's Dk limit run as pieces of value columns
+    (MAX_DIM lowered to 7 here, so 16 -> 3 pieces of 6, 6, 4; 40 -> 6 pieces; 3 -> one): their sum,
+    the state term included, equals one pass over all columns, in fp64."""
+    monkeypatch.setattr(chunk_backward.plan, "MAX_DIM", 7)
+    pieces = chunk_backward._pieces(dv)
+    assert len(pieces) == -(-dv // 7) and all(p.stop - p.start <= 7 for p in pieces)
+    assert [i for p in pieces for i in range(p.start, p.stop)] == list(range(dv))
+    b, h, n, dx = 2, len(GAMMAS), 130, 5
+    g, w, c = (randn(torch.Generator().manual_seed(s), (b, h, n, d), F64) for s, d in ((1, dv), (2, dv), (3, dx)))
+    s0 = None if reverse else randn(torch.Generator().manual_seed(4), (b, h, dv, dx), F64)
+    whole = torch.empty(b, h, n, dx, dtype=F64)
+    forward_pass(g, w, c, _log_decay(), 0.7, whole, s0, False, reverse, on_kernel=False)
+    split = torch.empty_like(whole)
+    chunk_backward._contract_over_values(g, w, c, _log_decay(), 0.7, split, s0, reverse, "exact", False, pieces)
+    assert_close(split, whole, F64, "sum of the value pieces")
+
+
+def test_value_width_limit_of_the_kernels():
+    """The chunk kernels take Dk <= 256 and Dv <= 512 (value tiles); the backward's kernel test agrees."""
+    from rtkernels.methods import chunk
+
+    assert (chunk.MAX_DIM, chunk.MAX_VALUE_DIM) == (256, 512)
+    for dk, dv, ok in ((256, 512, True), (192, 320, True), (257, 64, False), (64, 513, False)):
+        q, v = torch.zeros(1, 1, 1, dk, dtype=torch.bfloat16), torch.zeros(1, 1, 1, dv, dtype=torch.bfloat16)
+        assert chunk.kernel_supports(q, v) is ok

@@ -57,6 +57,7 @@ def torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: 
 
 
 kernel_supports = scan.kernel_supports
+MAX_DIM = scan.MAX_DIM  # the scan kernel's limit on Dk and Dv
 
 
 def all_configs() -> list[tuple[int]]:

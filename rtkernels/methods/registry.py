@@ -149,6 +149,24 @@ def _kernels_or_warn(device: torch.device) -> bool:
     return False
 
 
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_warned_heads: set[tuple[str, int, int]] = set()
+
+
+def _warn_head_limit(m: Method, q: torch.Tensor, v: torch.Tensor) -> None:
+    """Warn once per (method, Dk, Dv) when a CUDA call of a kernel dtype runs the torch path because
+    its heads are wider than the method's kernels take (the torch path is correct, but slow)."""
+    max_k = getattr(m.module, "MAX_DIM", None)
+    max_v = getattr(m.module, "MAX_VALUE_DIM", max_k)
+    dk, dv = q.shape[-1], v.shape[-1]
+    key = (m.name, dk, dv)
+    if max_k is None or (dk <= max_k and dv <= max_v) or key in _warned_heads:
+        return
+    _warned_heads.add(key)
+    warnings.warn(f"rtkernels: method {m.name!r} has CUDA kernels for Dk <= {max_k} and Dv <= {max_v} only; "
+                  f"Dk = {dk}, Dv = {dv} runs its torch path (correct, much slower)", RuntimeWarning, stacklevel=4)
+
+
 def heuristic_method(q: torch.Tensor, v: torch.Tensor,
                      runs_kernel: Optional[Callable[[Method, torch.Tensor, torch.Tensor], bool]] = None) -> str:
     """``auto`` without a store entry: the first method of :data:`AUTO_ORDER` (of
@@ -164,7 +182,7 @@ def auto_method(q: torch.Tensor, v: torch.Tensor) -> str:
     """The method ``method="auto"`` picks: on CUDA tensors, the one the autotune store names for
     the call's shape bucket on this GPU (one dict lookup per call); without an entry,
     :func:`heuristic_method`: the tensor-core ``chunk`` kernel where it runs (CUDA,
-    fp32/fp16/bf16, Dk and Dv <= 256; for fp32 also a tile that fits the GPU's shared memory),
+    fp32/fp16/bf16, Dk <= 256 and Dv <= 512; for fp32 also a tile that fits the GPU's shared memory),
     else the ``scan`` kernel where it runs, else the batched torch ``chunk`` path; for N <=
     :data:`SHORT_N` (4) tokens the ``scan`` kernel first, then the ``chunk`` kernel, else the torch
     ``chunk`` path."""
@@ -208,6 +226,8 @@ def run_method(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     if m.uses_kernel(q, v):
         return m.kernel.forward(q, k, v, log_decay, scale, out, initial_state, need_state,
                                 fp32_precision=fp32_precision)
+    if m.kernel is not None and q.is_cuda and q.dtype in _KERNEL_DTYPES:
+        _warn_head_limit(m, q, v)
     return run_torch_path(m.torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)
 
 

@@ -36,7 +36,7 @@ kernel backward: three forward passes and the dlog(gamma) kernel of :mod:`.decay
 from . import decay_grad
 from .launch import ChunkLaunch, kernel_forward, kernel_prepare
 from .plan import instances as _fwd_instances
-from .plan import (CHUNK_KERNEL, F32_SOURCE, FWD16_SOURCE, MAX_DIM, MODE_FOLD, MODE_FUSED, MODE_STATES,
+from .plan import (CHUNK_KERNEL, F32_SOURCE, FWD16_SOURCE, MAX_DIM, MAX_VALUE_DIM, MODE_FOLD, MODE_FUSED, MODE_STATES,
                    SEG_SCAN_SOURCE, SMEM_LIMIT_SM90, SMEM_LIMITS_OTHER, STATES_SOURCE, TUNE_SPACE, WGMMA_OPTIONS,
                    Launch, Overrides, aligned, all_configs, config_smem, ctas_per_sm, current_overrides, f32_config,
                    f32_smem_bytes, f32_stages, f32_threads, kernel_config, kernel_supports, name_expression,
@@ -49,7 +49,7 @@ __all__ = [
     "tuned_launch", "instances", "plan_launch", "Launch", "Overrides", "override", "current_overrides", "kernel_config",
     "all_configs", "name_expression", "states_config", "states_name", "states_smem_bytes", "smem_bytes",
     "f32_config", "f32_smem_bytes", "f32_stages", "f32_threads", "config_smem", "ctas_per_sm", "segments_for",
-    "value_tile", "aligned", "CHUNK", "CHUNK_KERNEL", "MAX_DIM", "SMEM_LIMIT_SM90", "SMEM_LIMITS_OTHER",
+    "value_tile", "aligned", "CHUNK", "CHUNK_KERNEL", "MAX_DIM", "MAX_VALUE_DIM", "SMEM_LIMIT_SM90", "SMEM_LIMITS_OTHER",
     "WGMMA_OPTIONS", "MODE_FUSED", "MODE_STATES", "MODE_FOLD", "FWD16_SOURCE", "F32_SOURCE", "STATES_SOURCE",
     "SEG_SCAN_SOURCE",
 ]

@@ -31,7 +31,7 @@ large sums of rounded 16-bit gradients: catastrophic cancellation.)
 
 The reversed passes cost no copy on the kernel path: :func:`rtkernels.methods.chunk.kernel_forward`
 with ``reverse=True`` hands the kernel the pointers of row N-1 and negated token strides. Where
-the kernel does not run (the CPU, fp64, Dk or Dv > 256), :func:`forward_pass` runs the torch
+the kernel does not run (the CPU, fp64, Dk > 256 or Dv > 512), :func:`forward_pass` runs the torch
 ``chunk`` path on flipped copies, so the same decomposition is what the CPU tests check in fp64.
 
 Precision (kernel path): every pass is the forward kernel. fp32 inputs: the fp32 kernel in the
@@ -46,6 +46,10 @@ and rounded once into them. dS_0 and dlog(gamma) are fp32; the dlog(gamma) kerne
 inputs as they are, rounds each operand it weights by a power of gamma once to 16 bits, and
 accumulates in fp32 (about the accuracy of the other gradients, far better where its terms do not
 cancel).
+
+Dv up to ``plan.MAX_VALUE_DIM`` (512) where Dk <= ``plan.MAX_DIM`` (256): the dq and dk passes
+contract over Dv (their "keys" are v and g), so a Dv over 256 runs each of them as pieces of at
+most 256 value columns whose outputs add up (:func:`_contract_over_values`).
 
 Work: three forward passes, plus O(N Dk Dv) for the G terms, plus for a trainable decay the
 dlog(gamma) kernel, O(N C (Dk + Dv) + N Dk Dv) (about one more forward pass). Memory: the three
@@ -84,12 +88,38 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def kernel_runs(*tensors: torch.Tensor) -> bool:
     """Whether the ``chunk`` kernel takes these operands (q, v or q, k, v[, out]): CUDA tensors of
-    one dtype of :data:`KERNEL_DTYPES` (fp16, bf16, fp32), every last dimension at most
-    ``plan.MAX_DIM``, a configuration for (Dk, Dv) = the widths of q and v (fp32: one that fits the
-    shared memory), and CuPy with a driver."""
+    one dtype of :data:`KERNEL_DTYPES` (fp16, bf16, fp32), q and k at most ``plan.MAX_DIM`` wide, v
+    and out at most ``plan.MAX_VALUE_DIM``, a configuration for (Dk, Dv) = the widths of q and v
+    (fp32: one that fits the shared memory), and CuPy with a driver."""
     x, v = tensors[0], tensors[2] if len(tensors) > 2 else tensors[-1]
-    return (x.dtype in KERNEL_DTYPES and all(t.dtype == x.dtype and t.shape[-1] <= plan.MAX_DIM for t in tensors)
-            and x.is_cuda and plan.kernel_supports(x, v) and kernels_available(x.device))
+    widths_ok = all(t.shape[-1] <= plan.MAX_DIM for t in tensors[:2 if len(tensors) > 2 else 1])
+    return (x.dtype in KERNEL_DTYPES and all(t.dtype == x.dtype for t in tensors) and widths_ok
+            and all(t.shape[-1] <= plan.MAX_VALUE_DIM for t in tensors) and x.is_cuda
+            and plan.kernel_supports(x, v) and kernels_available(x.device))
+
+
+def _pieces(width: int) -> list[slice]:
+    """``width`` columns in equal pieces of at most ``plan.MAX_DIM`` (one piece where it fits)."""
+    count = -(-width // plan.MAX_DIM)
+    step = -(-width // count)
+    return [slice(a, min(a + step, width)) for a in range(0, width, step)]
+
+
+def _contract_over_values(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, log_decay: LogDecay, scale: float,
+                          out: torch.Tensor, initial_state: Optional[torch.Tensor], reverse: bool,
+                          fp32_precision: str, on_kernel: bool, pieces: list[slice]) -> None:
+    """``out = F(a, b, c, X)`` (or R with ``reverse``) where a and b are Dv wide: the scores a_i . b_j
+    and the state term a_i X are sums over value columns, so a Dv wider than the kernel's Dk limit
+    runs as pieces of columns whose outputs add up (each piece rounded once to the output dtype,
+    their sum once more). ``initial_state``: ``[B, H, Dv, Dx]`` or None; ``pieces``: the column
+    slices (:func:`_pieces` on the kernel path, one whole slice elsewhere)."""
+    for i, cols in enumerate(pieces):
+        dst = out if i == 0 else torch.empty_like(out)
+        s0 = None if initial_state is None else initial_state[:, :, cols]
+        forward_pass(a[..., cols], b[..., cols], c, log_decay, scale, dst, s0, False, reverse, fp32_precision,
+                     on_kernel)
+        if i:
+            out.add_(dst)
 
 
 def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
@@ -151,8 +181,9 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
     mode = fp32_precision
-    forward_pass(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, mode, on_kernel)
-    forward_pass(v, grad_out, q, log_decay, scale, dk, None, False, True, mode, on_kernel)
+    cols = _pieces(v.shape[-1]) if on_kernel else [slice(None)]  # Dv > MAX_DIM: q . k-like passes in pieces
+    _contract_over_values(grad_out, v, k, log_decay, scale, dq, s0_t, False, mode, on_kernel, cols)
+    _contract_over_values(v, grad_out, q, log_decay, scale, dk, None, True, mode, on_kernel, cols)
     back = forward_pass(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, mode, on_kernel)
     # log(gamma) in torch only where the state terms need it (a device decay costs several ops)
     lg = log_decay.tensor(cdt) if need_state_grad or grad_state is not None else None
@@ -175,7 +206,7 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
 
 def supports(q: torch.Tensor, v: torch.Tensor) -> bool:
     """Where :func:`kernel_backward` is registered to run: inputs the ``chunk`` kernel takes (CUDA,
-    fp16/bf16/fp32, Dk and Dv <= 256, CuPy present)."""
+    fp16/bf16/fp32, Dk <= 256 and Dv <= 512, CuPy present)."""
     return kernel_runs(q, v)
 
 

@@ -101,7 +101,7 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
                           grad_state: Optional[torch.Tensor], *, for_source: bool = False) -> torch.Tensor:
     """dL/dlog(gamma), ``[H]`` float32, by the kernel (arguments as a
     :data:`~rtkernels.autograd.BackwardImpl`'s: ``[B, H, N, D]`` views of one 16-bit dtype on one
-    CUDA device, Dk and Dv <= 256, any strides; ``grad_out`` = dL/do). Views without a unit last
+    CUDA device, Dk <= 256 and Dv <= 512 (value tiles of BV columns), any strides; ``grad_out`` = dL/do). Views without a unit last
     stride are copied; the initial state and ``grad_state`` are used as fp32 contiguous copies.
 
     Two launches: the partial sums, then ``rtk_chunk_decay_grad_sum`` (``chunk/decay_grad_sum.cu``),

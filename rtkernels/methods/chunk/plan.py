@@ -25,13 +25,19 @@ FWD16_SOURCE = "chunk/fwd16.cu"
 F32_SOURCE = "chunk/fwd_f32.cu"
 STATES_SOURCE = "chunk/states.cu"
 SEG_SCAN_SOURCE = "chunk/seg_scan.cu"
-#: Largest Dk and Dv the kernel takes.
+#: Largest Dk the kernels take (the contraction of q . k and the state rows a CTA holds).
 MAX_DIM = 256
+#: Largest Dv the kernels take: the value columns are split over CTAs in tiles of BV, so Dv only
+#: sets the grid (RetNet's heads have Dv = 2 Dk = 512). The backward contracts over Dv in two of
+#: its passes and splits those into pieces of at most MAX_DIM columns.
+MAX_VALUE_DIM = 512
 CHUNK_KERNEL = 64  # tokens per chunk of the kernel (8 warps: 4 output warps x 16 rows, 4 state warps)
 
 
 def kernel_supports(q: torch.Tensor, v: torch.Tensor) -> bool:
-    if q.shape[-1] > MAX_DIM or v.shape[-1] > MAX_DIM:
+    """Whether the chunk kernels take q (Dk <= :data:`MAX_DIM`) and v (Dv <= :data:`MAX_VALUE_DIM`)
+    of this dtype (fp32: when a tile fits the device's shared memory)."""
+    if q.shape[-1] > MAX_DIM or v.shape[-1] > MAX_VALUE_DIM:
         return False
     if q.dtype == torch.float32:  # when a configuration fits the device's shared memory
         limit = _smem_limit(q.device.index) if q.is_cuda else SMEM_LIMIT_SM90
