@@ -25,26 +25,32 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 from ...api import METHOD_NAMES
 
 if TYPE_CHECKING:
     import torch
 
-#: The standard shapes of docs/benchmark.md: name -> [(B, H, N, D, dtypes)]; decode is one token, one entry per B
-SHAPES: dict[str, list[tuple[int, int, int, int, tuple[str, ...]]]] = {
+#: One shape: (B, H, N, D, dtypes), or (B, H, N, Dk, Dv, dtypes) where the value width differs from
+#: the key width (QUICK's entries: the same without the dtypes).
+Shape = Union[tuple[int, int, int, int, tuple[str, ...]], tuple[int, int, int, int, int, tuple[str, ...]]]
+#: The standard shapes of docs/benchmark.md: name -> [Shape]; decode is one token, one entry per B
+SHAPES: dict[str, list[Shape]] = {
     "small": [(2, 32, 1024, 128, ("bf16", "fp32"))],
     "mid": [(4, 32, 4096, 128, ("bf16", "fp16", "fp32"))],
     "long": [(1, 32, 16384, 128, ("bf16", "fp32"))],
     "d64": [(8, 16, 2048, 64, ("bf16",))],
+    "d256": [(2, 16, 4096, 256, ("bf16",))],
+    "retnet": [(2, 8, 4096, 256, 512, ("bf16",))],  # RetNet's heads: Dv = 2 Dk
     "huge": [(1, 8, 1048576, 128, ("bf16",))],
     "huge128k": [(1, 8, 131072, 128, ("bf16",))],  # for time(1M) / time(128K), the O(N) check
     "decode": [(64, 32, 1, 128, ("bf16",)), (256, 32, 1, 128, ("bf16",))],
 }
 #: --quick: tiny shapes of the same names, a smoke run (e.g. on the CPU)
-QUICK: dict[str, list[tuple[int, int, int, int]]] = {
+QUICK: dict[str, list[tuple[int, ...]]] = {
     "small": [(1, 2, 64, 16)], "mid": [(2, 2, 128, 16)], "long": [(1, 2, 512, 16)], "d64": [(2, 2, 128, 64)],
+    "d256": [(1, 2, 128, 256)], "retnet": [(1, 2, 128, 256, 512)],
     "huge": [(1, 2, 1024, 16)], "huge128k": [(1, 2, 128, 16)], "decode": [(2, 2, 1, 16), (4, 2, 1, 16)]}
 METHODS = METHOD_NAMES  # every method of the registry, and "auto"
 PASSES = ("fwd", "fwdbwd")
@@ -54,9 +60,16 @@ FLUSH_BYTES = 256 << 20
 DEFAULT_OUT = Path("bench-out")  # under the working directory
 
 
+def dims(entry: Sequence[Any]) -> tuple[int, int, int, int, int]:
+    """(B, H, N, Dk, Dv) of a :data:`SHAPES` or :data:`QUICK` entry (Dv = D where it gives one D)."""
+    b, h, n, dk, *rest = (x for x in entry if isinstance(x, int))
+    return b, h, n, dk, (rest[0] if rest else dk)
+
+
 @dataclass
 class Case:
-    """One shape: ``name`` from the standard table, ``label`` as the table shows it."""
+    """One shape: ``name`` from the standard table, ``label`` as the table shows it; ``d`` is Dk and
+    ``dv`` the value width (0: the same as ``d``)."""
 
     name: str
     label: str
@@ -66,6 +79,16 @@ class Case:
     d: int
     dtypes: tuple[str, ...]
     decode: bool
+    dv: int = 0
+
+    def __post_init__(self) -> None:
+        self.dv = self.dv or self.d
+
+    @property
+    def dims_text(self) -> str:
+        """B×H×N×D, with D as Dk/Dv where they differ."""
+        return "×".join(map(str, (self.b, self.h, self.n))) + "×" + (
+            str(self.d) if self.dv == self.d else f"{self.d}/{self.dv}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -104,21 +127,21 @@ def make_cases(shapes: Sequence[str], dtypes: Sequence[str], quick: bool) -> lis
     """The selected shapes with the dtypes both their table row and ``--dtypes`` list."""
     cases = []
     for name in shapes:
-        for i, (b, h, n, d, dts) in enumerate(SHAPES[name]):
-            if quick:
-                b, h, n, d = QUICK[name][i]
-            kept = tuple(x for x in dts if x in dtypes)
+        for i, entry in enumerate(SHAPES[name]):
+            b, h, n, dk, dv = dims(QUICK[name][i] if quick else entry)
+            kept = tuple(x for x in entry[-1] if x in dtypes)
             if kept:
                 label = f"decode B={b}" if name == "decode" else name
-                cases.append(Case(name, label, b, h, n, d, kept, name == "decode"))
+                cases.append(Case(name, label, b, h, n, dk, kept, name == "decode", dv))
     return cases
 
 
 def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int,
                 with_grad: bool = False) -> dict[str, Any]:
-    """q, k = randn/sqrt(D), v = randn in ``[B, H, N, D]``; γ = 1 − exp(linspace(log(1/32), log(1/512), H))
-    (float64, CPU); for decode also a float32 state S; with ``with_grad`` the incoming gradient of
-    the output ``grad`` = randn (else None)."""
+    """q, k = randn/sqrt(Dk) in ``[B, H, N, Dk]``, v = randn in ``[B, H, N, Dv]``;
+    γ = 1 − exp(linspace(log(1/32), log(1/512), H)) (float64, CPU); for decode also a float32 state S
+    ``[B, H, Dk, Dv]``; with ``with_grad`` the incoming gradient of the output ``grad`` = randn
+    ``[B, H, N, Dv]`` (else None)."""
     import torch
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -126,24 +149,25 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device, seed: int,
     def randn(*shape: int, div: float = 1.0) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device=device).div_(div).to(dtype)
 
-    shape = (case.b, case.h, case.n, case.d)
-    inp = {"qkv": (randn(*shape, div=math.sqrt(case.d)), randn(*shape, div=math.sqrt(case.d)), randn(*shape)),
+    keys, values = (case.b, case.h, case.n, case.d), (case.b, case.h, case.n, case.dv)
+    inp = {"qkv": (randn(*keys, div=math.sqrt(case.d)), randn(*keys, div=math.sqrt(case.d)), randn(*values)),
            "gamma": -torch.expm1(torch.linspace(math.log(1 / 32), math.log(1 / 512), case.h, dtype=torch.float64)),
            "state": None}
     if case.decode:
-        inp["state"] = torch.randn(case.b, case.h, case.d, case.d, generator=gen, device=device)
-    inp["grad"] = randn(*shape) if with_grad else None
+        inp["state"] = torch.randn(case.b, case.h, case.d, case.dv, generator=gen, device=device)
+    inp["grad"] = randn(*values) if with_grad else None
     return inp
 
 
 @dataclass
 class Reference:
-    """The fp64 answer of one input: the output ``[B, H, N, D]``, how it was made, and with an
-    incoming gradient dq, dk, dv of batch 0 (``[3, H, N, D]``) and dL/dγ ``[H]`` (all batches)."""
+    """The fp64 answer of one input: the output ``[B, H, N, Dv]``, how it was made, and with an
+    incoming gradient dq, dk, dv of batch 0 (``[H, N, Dk]``, ``[H, N, Dk]``, ``[H, N, Dv]``) and
+    dL/dγ ``[H]`` (all batches)."""
 
     out: torch.Tensor
     note: str
-    grads: Optional[torch.Tensor] = None
+    grads: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
     dgamma: Optional[torch.Tensor] = None
 
 
@@ -160,7 +184,8 @@ def reference(inp: dict[str, Any], case: Case) -> Reference:
         return Reference(q.double() @ s, "fp64 one-step recurrence")
     grad = inp.get("grad")
     ref = torch.empty(v.shape, dtype=torch.float64, device=v.device)
-    grads = None if grad is None else torch.empty(3, *v.shape[1:], dtype=torch.float64, device=v.device)
+    grads = None if grad is None else tuple(torch.empty(t.shape[1:], dtype=torch.float64, device=t.device)
+                                            for t in (q, k, v))
     dgamma = None if grad is None else torch.zeros(case.h, dtype=torch.float64)
     for b in range(case.b):
         for h in range(case.h):  # one head at a time bounds the memory
@@ -172,7 +197,7 @@ def reference(inp: dict[str, Any], case: Case) -> Reference:
             if grad is not None:
                 dq, dk, dv, dg = torch.autograd.grad(out, (*leaves, g), grad[b, h].double())
                 if b == 0:
-                    grads[0, h], grads[1, h], grads[2, h] = dq, dk, dv
+                    grads[0][h], grads[1][h], grads[2][h] = dq, dk, dv
                 dgamma[h] += float(dg)
     note = "fp64 blockwise reference (bench/reference), every batch"
     return Reference(ref, note + (", gradients by autograd through it" if grad is not None else ""), grads, dgamma)
@@ -347,7 +372,7 @@ def run_case(case: Case, dt: str, impls: list[Any], device: torch.device, args: 
 
     bwd = args.pass_ == "fwdbwd" and not case.decode
     trainable = bwd and args.trainable
-    base = {"shape": case.label, "B": case.b, "H": case.h, "N": case.n, "D": case.d, "dtype": dt,
+    base = {"shape": case.label, "B": case.b, "H": case.h, "N": case.n, "D": case.d, "Dv": case.dv, "dtype": dt,
             "pass": "decode" if case.decode else args.pass_,
             "decay": (args.decay if device.type == "cuda" else "cpu") + (", trainable" if trainable else "")}
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dt]
@@ -424,7 +449,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
     cases = make_cases(args.shapes, args.dtypes, args.quick)
     rows = [row for case in cases for dt in case.dtypes for row in run_case(case, dt, impls, device, args, reps, flush)]
-    shapes = {c.label: "×".join(map(str, (c.b, c.h, c.n, c.d))) for c in cases}
+    shapes = {c.label: c.dims_text for c in cases}
     env["scaling_1m_over_128k"] = scaling(rows)
     print(report.write(args.out, env, rows, shapes, {k: str(v) for k, v in vars(args).items()}))
     for impl, ratio in env["scaling_1m_over_128k"].items():

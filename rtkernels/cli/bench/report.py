@@ -17,6 +17,8 @@ from .peers import dist_version
 
 Row = dict[str, Any]
 ELEMENT_SIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+#: The standard shapes that vary the head size at a fixed N, left out of the time-vs-N plot.
+HEAD_SHAPES = ("d64", "d256", "retnet")
 
 
 def _git_commit() -> str:
@@ -68,11 +70,12 @@ def roofline_pct(row: Row, env: dict[str, Any]) -> Optional[float]:
     if not row.get("ms") or row["pass"] == "fwdbwd":
         return None
     secs, bw = row["ms"] / 1e3, env["copy_bw_GBps"] * 1e9
-    b, h, n, d = row["B"], row["H"], row["N"], row["D"]
+    b, h, n, dk = row["B"], row["H"], row["N"], row["D"]
+    dv = row.get("Dv") or dk  # rows of older runs have one D
     if row["pass"] == "decode":
-        return 100 * (2 * b * h * d * d * 4 / secs) / bw
-    bytes_ = 4 * b * h * n * d * ELEMENT_SIZE[row["dtype"]]
-    flop = 4 * b * h * n * d * (64 + d)
+        return 100 * (2 * b * h * dk * dv * 4 / secs) / bw
+    bytes_ = 2 * b * h * n * (dk + dv) * ELEMENT_SIZE[row["dtype"]]
+    flop = 2 * b * h * n * (64 * (dk + dv) + 2 * dk * dv)
     return 100 * max(bytes_ / bw, flop / (env["tensor_peak_TFLOPs"] * 1e12)) / secs
 
 
@@ -129,7 +132,8 @@ def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> st
            f"copy BW {env['copy_bw_GBps']:.4g} GB/s ({env['copy_bw_how']}); tensor peak "
            f"{env['tensor_peak_TFLOPs']:.3g} TFLOP/s ({env['tensor_peak_how']}); torch {env['torch']}; "
            f"CuPy {env['cupy']}; NVRTC {env['nvrtc']}; rtkernels {env['rtkernels']}.", "",
-           "Shapes (B×H×N×D): " + "; ".join(f"{k} {v}" for k, v in shapes.items()) + ".", "",
+           "Shapes (B×H×N×D, D as Dk/Dv where they differ): "
+           + "; ".join(f"{k} {v}" for k, v in shapes.items()) + ".", "",
            "Peers: " + "; ".join(f"{k} {v.get('version') or v.get('reason')}" + (
                f" ({v['gpu_name_patch']})" if v.get("gpu_name_patch") else "") for k, v in env["peers"].items())
            + ".", "", _overhead_text(env.get("host_overhead_us", {})), "",
@@ -166,7 +170,8 @@ def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> st
 
 def plot(rows: list[Row], path: Path) -> str:
     """Time vs N (log-log), one line per implementation: bf16 forward rows of the D = 128 shapes (not
-    d64); the forward + backward rows instead for a run of ``--pass fwdbwd``."""
+    the head-size shapes d64, d256, retnet); the forward + backward rows instead for a run of
+    ``--pass fwdbwd``."""
     try:
         import matplotlib
 
@@ -177,7 +182,7 @@ def plot(rows: list[Row], path: Path) -> str:
     pass_, what = ("fwdbwd", "forward + backward") if any(r["pass"] == "fwdbwd" for r in rows) else ("fwd", "forward")
     series: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        if r["pass"] == pass_ and r["dtype"] == "bf16" and r["shape"] != "d64" and r.get("ms"):
+        if r["pass"] == pass_ and r["dtype"] == "bf16" and r["shape"] not in HEAD_SHAPES and r.get("ms"):
             series.setdefault(label(r), []).append((r["N"], r["ms"]))
     if not series:
         return f"plot skipped: no bf16 {what} rows"
@@ -186,7 +191,7 @@ def plot(rows: list[Row], path: Path) -> str:
         xs, ys = zip(*sorted(pts), strict=True)
         ax.plot(xs, ys, marker="o", label=name)
     ax.set(xscale="log", yscale="log", xlabel="N (standard shapes; B and H differ per shape)", ylabel="ms",
-           title=f"bf16 {what}, standard shapes except d64")
+           title=f"bf16 {what}, standard shapes except " + ", ".join(HEAD_SHAPES))
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
