@@ -9,6 +9,7 @@ from .api import DTYPES, LAYOUTS, METHOD_NAMES, causal_linear_attention
 from .decay import set_strict_decay
 from .decode import decode
 from .env import VERSION as __version__
+from .normalized import FEATURES, linear_attention
 from .methods import METHODS
 from .methods.chunk import backward as _chunk_backward  # puts the kernel backward first in BACKWARD_IMPLS
 from .methods.chunk import decay_grad as _chunk_decay_grad
@@ -19,5 +20,5 @@ from . import ops as ops  # the torch.library ops; the call routes to them under
 kernel_backward = _sys.modules[f"{__name__}.kernel_backward"] = _chunk_backward
 decay_grad = _sys.modules[f"{__name__}.decay_grad"] = _chunk_decay_grad
 
-__all__ = ["causal_linear_attention", "decode", "set_strict_decay", "METHODS", "METHOD_NAMES", "LAYOUTS", "DTYPES",
-           "__version__"]
+__all__ = ["causal_linear_attention", "linear_attention", "decode", "set_strict_decay", "METHODS", "METHOD_NAMES",
+           "LAYOUTS", "DTYPES", "FEATURES", "__version__"]

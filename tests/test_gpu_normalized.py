@@ -1,0 +1,168 @@
+"""``rtkernels.linear_attention`` on the GPU (marker ``gpu``): fp32, fp16 and bf16 against the fp64
+loop of tests/test_normalized_cpu.py (computed on the GPU from the same rounded inputs), the
+forward and the gradients (q, k, v and a trainable CUDA decay), with the chunk kernels running the
+widened ``[v | 1]`` (and ``[scale q | 1]``, ``[k | 1]``) call forward and backward; no host sync.
+
+The inputs keep the denominator well away from 0: q, k = elu(x) + 1 (positive features, so every
+weight is > 0 and den_i >= s(q_i, k_i) > 0), with gamma 0.9 and 0.99 among the heads (and 1e-6, 1).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rtkernels
+from rtkernels import normalized
+from rtkernels.methods import METHODS
+
+from test_normalized_cpu import normalized_loop
+from tolerances import assert_close, assert_close_to_magnitude
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: (B, H, N, Dk, Dv, layout): one token, odd N across chunk boundaries, Dk != Dv, D = 37, Dv = 128
+#: (whose ones column needs one more value tile).
+SHAPES = [(2, 4, 1, 64, 64, "bhnd"), (1, 4, 257, 128, 37, "bnhd"), (2, 4, 1000, 64, 128, "bhnd"),
+          (1, 4, 130, 37, 64, "bnhd")]
+GAMMAS = (0.9, 0.99, 1e-6, 1.0)
+NAMES = ("q", "k", "v", "decay")
+
+
+def _scale(dk: int) -> float:
+    return dk ** -0.5
+
+
+@functools.lru_cache(maxsize=8)
+def _inputs(shape: tuple, dtype: torch.dtype):
+    """q, k = elu(x) + 1, v ~ randn, loss weights w: rounded to dtype, on the GPU, in the layout."""
+    b, h, n, dk, dv, layout = shape
+    g = torch.Generator().manual_seed(n + dk + dv)
+    dims = (lambda d: (b, h, n, d)) if layout == "bhnd" else (lambda d: (b, n, h, d))
+    q, k = ((F.elu(torch.randn(dims(dk), generator=g, dtype=torch.float64)) + 1).to("cuda", dtype) for _ in range(2))
+    v = torch.randn(dims(dv), generator=g, dtype=torch.float64).to("cuda", dtype)
+    w = torch.randn(dims(dv), generator=g, dtype=torch.float64).to("cuda", dtype)
+    return q, k, v, w, torch.tensor(GAMMAS, dtype=torch.float64, device="cuda")
+
+
+def _magnitudes(q, k, v, w, gammas, scale, feature, layout, out, den):
+    """|dq|, |dk|, |dv|, |d(decay)| with every term of every sum counted positive: the scale that
+    the error of a floating-point gradient is bounded by. The gradients of the normalized output
+    are sums of terms of both signs that cancel by construction: by the quotient rule
+    dq_i = (scale / den_i) sum_j gamma^(i-j) (w_i . (v_j - o_i)) k_j, whose weighted sum of
+    (v_j - o_i) is 0, so the mean part of k cancels (for N = 1, dq is 0 up to eps). Here each
+    coefficient is |w_i|.|v_j| + |w_i . o_i| instead: the gradients of
+    L' = sum_ij gamma^(i-j) s_ij (|w_i|.|v_j| + |w_i . o_i|) / den_i with o and den held fixed (q, k
+    > 0 and s > 0 here, so these are the sums of absolute terms)."""
+    q, k, v, w = (x.double() for x in (q, k, v, w))
+    if layout == "bnhd":
+        q, k, v, w, out = (x.transpose(1, 2) for x in (q, k, v, w, out))
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, gammas.double())]
+    q, k, v, g = leaves
+    total = 0
+    for i in range(q.shape[2]):
+        dist = i - torch.arange(i + 1, dtype=torch.float64, device=q.device)
+        s = scale * torch.einsum("bhd,bhjd->bhj", q[:, :, i], k[:, :, :i + 1])
+        if feature == "1+qk":
+            s = 1 + s
+        wi = w[:, :, i]
+        c = (torch.einsum("bhd,bhjd->bhj", wi.abs(), v[:, :, :i + 1].abs())
+             + (wi * out[:, :, i]).sum(-1, keepdim=True).abs()) / den[:, :, i:i + 1]
+        total = total + (g[:, None] ** dist[None, :] * s * c).sum()
+    mags = [m.abs() for m in torch.autograd.grad(total, leaves)]
+    if layout == "bnhd":
+        mags[:3] = [m.transpose(1, 2) for m in mags[:3]]
+    return mags
+
+
+@functools.lru_cache(maxsize=48)
+def _reference(shape: tuple, dtype: torch.dtype, feature: str, normalize: bool, grads: bool):
+    """The fp64 loop's output and, with ``grads``, its gradients of sum(w * out) with respect to
+    q, k, v and the decay (the fp32-rounded factors the library gets), and their magnitudes."""
+    q, k, v, w, gammas = _inputs(shape, dtype)
+    leaves = [x.double().requires_grad_(grads) for x in (q, k, v, gammas.float())]
+    scale = _scale(shape[3])
+    out, den = normalized_loop(*leaves[:3], leaves[3], scale, feature, normalize, 1e-6, shape[-1])
+    assert float(den.detach().min()) > 0.5, "the inputs should keep the denominator away from 0"
+    if not grads:
+        return out.detach(), None, None
+    want = torch.autograd.grad((out * w.double()).sum(), leaves)
+    return out.detach(), want, _magnitudes(q, k, v, w, leaves[3].detach(), scale, feature, shape[-1], out.detach(),
+                                           den.detach())
+
+
+@pytest.mark.parametrize("method", ["auto", "scan"])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("feature", rtkernels.FEATURES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_forward_matches_fp64(dtype, shape, feature, normalize, method):
+    b, h, n, dk, dv, layout = shape
+    q, k, v, _, gammas = _inputs(shape, dtype)
+    out = rtkernels.linear_attention(q, k, v, gammas.float(), scale=_scale(dk), normalize=normalize, feature=feature,
+                                     layout=layout, method=method, fp32_precision="exact")
+    assert out.dtype == dtype and out.shape == v.shape and out.is_contiguous() and out.is_cuda
+    want, _, _ = _reference(shape, dtype, feature, normalize, False)
+    assert_close(out, want, dtype, f"{feature} normalize={normalize} {method} {dtype} {shape}", n=n)
+
+
+@pytest.mark.parametrize("feature", rtkernels.FEATURES)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gradients_match_fp64(dtype, shape, feature):
+    """dq, dk, dv and d(decay) of sum(w * out), normalized, through the chunk kernel's forward and
+    backward (the widened heads are within its limits), against autograd through the fp64 loop:
+    dv relative to itself, dq, dk and d(decay) relative to their magnitudes (:func:`_magnitudes`:
+    they cancel by construction)."""
+    b, h, n, dk, dv, layout = shape
+    q, k, v, w, gammas = _inputs(shape, dtype)
+    widened_q = normalized._with_column(q, 1.0) if feature == "1+qk" else q
+    assert METHODS["chunk"].uses_kernel(widened_q, normalized._with_column(v, 1.0))
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, gammas.float())]
+    out = rtkernels.linear_attention(*leaves[:3], leaves[3], scale=_scale(dk), feature=feature, layout=layout,
+                                     fp32_precision="exact")
+    got = torch.autograd.grad((out.float() * w.float()).sum(), leaves)
+    _, want, mags = _reference(shape, dtype, feature, True, True)
+    for name, g, r, m, x in zip(NAMES, got, want, mags, leaves):
+        assert g.dtype == x.dtype and g.device == x.device and g.shape == x.shape, name
+        what = f"d{name} {feature} {dtype} {shape}"
+        if name == "v":  # a sum of positive weights times the loss weights, as the core's dv: no quotient rule
+            assert_close(g, r, dtype, what, n=n)
+        else:
+            assert_close_to_magnitude(g, r, m, dtype, what, n=n)
+
+
+@pytest.mark.parametrize("feature", rtkernels.FEATURES)
+def test_no_host_sync_forward_and_backward(feature):
+    """bf16, a trainable CUDA decay: the widening, the core call, the division and the backward never
+    sync the host."""
+    shape = SHAPES[1]
+    q, k, v, w, gammas = _inputs(shape, torch.bfloat16)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v, gammas.float())]
+
+    def step():
+        out = rtkernels.linear_attention(*leaves[:3], leaves[3], scale=0.1, feature=feature, layout=shape[-1])
+        (out.float() * w.float()).sum().backward()
+
+    step()  # first-call work (kernel compiles, caches) outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in leaves)
+
+
+def test_cupy_in_cupy_out():
+    cupy = pytest.importorskip("cupy")
+    q, k, v, _, gammas = _inputs(SHAPES[3], torch.float16)
+    want = rtkernels.linear_attention(q, k, v, gammas.float(), feature="1+qk", layout="bnhd")
+    got = rtkernels.linear_attention(*(cupy.asarray(x) for x in (q, k, v)), gammas.float(), feature="1+qk",
+                                     layout="bnhd")
+    assert isinstance(got, cupy.ndarray)
+    assert_close(torch.from_dlpack(got), want.double(), torch.float16, "CuPy vs torch")
