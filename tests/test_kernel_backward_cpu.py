@@ -212,3 +212,24 @@ def test_value_width_limit_of_the_kernels():
     for dk, dv, ok in ((256, 512, True), (192, 320, True), (257, 64, False), (64, 513, False)):
         q, v = torch.zeros(1, 1, 1, dk, dtype=torch.bfloat16), torch.zeros(1, 1, 1, dv, dtype=torch.bfloat16)
         assert chunk.kernel_supports(q, v) is ok
+
+
+def test_key_pieces_plan():
+    """Dk over 128 on the wgmma kernel: equal pieces of at most 128 key columns, 16-byte aligned
+    (multiples of 8) but the last, covering Dk once; none for fp32, Dk <= 128, or where the wgmma
+    kernel or the pieces are switched off."""
+    from rtkernels.methods.chunk import plan
+
+    bf16 = torch.bfloat16
+    with plan.override(wgmma=True):
+        cases = {256: [(0, 128), (128, 256)], 200: [(0, 104), (104, 200)], 192: [(0, 96), (96, 192)],
+                 129: [(0, 72), (72, 129)]}
+        for dk, want in cases.items():
+            got = plan.key_pieces(bf16, dk, 0, plan.current_overrides())
+            assert [(p.start, p.stop) for p in got] == want
+        assert plan.key_pieces(bf16, 128, 0, plan.current_overrides()) is None
+        assert plan.key_pieces(torch.float32, 256, 0, plan.current_overrides()) is None
+        with plan.override(key_pieces=False):
+            assert plan.key_pieces(bf16, 256, 0, plan.current_overrides()) is None
+    with plan.override(wgmma=False):
+        assert plan.key_pieces(torch.float16, 256, 0, plan.current_overrides()) is None

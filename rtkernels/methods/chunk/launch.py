@@ -14,10 +14,10 @@ from ...decay import LogDecay
 from ...jit import get_function
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
 from .plan import (CHUNK_KERNEL, MODE_FOLD, MODE_FUSED, MODE_STATES, SEG_SCAN_SOURCE, STATES_SOURCE, _sm_count,
-                   _smem_limit, aligned, current_overrides, plan_launch, states_config, states_name, states_smem_bytes,
-                   tuned_launch)
+                   _smem_limit, aligned, current_overrides, key_pieces, plan_launch, states_config, states_name,
+                   states_smem_bytes, tuned_launch)
 
-__all__ = ["ChunkLaunch", "kernel_prepare", "kernel_forward"]
+__all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward"]
 
 
 class ChunkLaunch:
@@ -116,12 +116,53 @@ class ChunkLaunch:
         return final
 
 
+class KeyPiecesLaunch:
+    """A planned call for Dk over the wgmma kernel's 128 (:func:`.plan.key_pieces`): one
+    :class:`ChunkLaunch` per piece of key columns, the first writing ``out``, the others a
+    contiguous temporary each that is then added to it (one more rounding of a 16-bit output); the
+    final state is the pieces' states stacked along Dk, the initial state split the same way.
+    Called like :class:`ChunkLaunch`. Extra work: the pieces read v and write an output each."""
+
+    __slots__ = ("parts", "pieces", "need_state")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
+                 out: torch.Tensor, need_state: bool, reverse: bool, fp32_precision: str, pieces: list[slice]):
+        self.pieces, self.need_state = pieces, need_state
+        self.parts = [ChunkLaunch(q[..., p], k[..., p], v, log_decay, scale, out if i == 0 else _piece_out(out),
+                                  need_state, reverse, fp32_precision) for i, p in enumerate(pieces)]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None,
+                 decay_ptr: Optional[int] = None) -> Optional[torch.Tensor]:
+        states = []
+        for i, (p, part) in enumerate(zip(self.pieces, self.parts)):
+            dst = out if i == 0 else _piece_out(out)
+            s0 = None if initial_state is None else initial_state[:, :, p]
+            states.append(part(q[..., p], k[..., p], v, dst, s0, decay, decay_ptr))
+            if i:
+                out.add_(dst)
+        return torch.cat(states, dim=2) if self.need_state else None
+
+
+def _piece_out(out: torch.Tensor) -> torch.Tensor:
+    return torch.empty(out.shape, dtype=out.dtype, device=out.device)
+
+
+def _launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
+              out: torch.Tensor, need_state: bool, reverse: bool, fp32_precision: str):
+    pieces = key_pieces(q.dtype, q.shape[-1], q.device.index, current_overrides())
+    if pieces is None:
+        return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision=fp32_precision)
+    return KeyPiecesLaunch(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision, pieces)
+
+
 def kernel_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
                    out: torch.Tensor, need_state: bool, fp32_precision: str = "exact") -> ChunkLaunch:
     """Plan the kernel call for ``[B, H, N, D]`` views with unit stride along D (see
-    :class:`ChunkLaunch`): the autotune store's config for the shape bucket, else :func:`.plan.plan_launch`;
-    ``fp32_precision``: the float32 kernel's mode."""
-    return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, fp32_precision=fp32_precision)
+    :class:`ChunkLaunch`; :class:`KeyPiecesLaunch` for Dk > 128 on the wgmma kernel): the autotune
+    store's config for the shape bucket, else :func:`.plan.plan_launch`; ``fp32_precision``: the
+    float32 kernel's mode."""
+    return _launcher(q, k, v, log_decay, scale, out, need_state, False, fp32_precision)
 
 
 #: Planned launches of :func:`kernel_forward` by call signature (the autograd forward and the
@@ -157,7 +198,6 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     if launcher is None:
         if len(_planned) >= _PLANNED_MAX:
             _planned.clear()
-        launcher = _planned[key] = ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse,
-                                               fp32_precision=fp32_precision)
+        launcher = _planned[key] = _launcher(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision)
     return launcher(q, k, v, out, initial_state, decay_ptr=decay)
 

@@ -244,12 +244,15 @@ class Overrides:
     kernel has no wgmma variant and its BV follows the shared memory). ``dedicated_states``: the
     split-sequence strategy of 16-bit inputs, the states kernel ``rtk_chunk_states`` plus a fused
     pass folding its slots (True), or the fused kernel's states-only mode, ``rtk_chunk_seg_scan``
-    and the fused pass (False; float32 always takes the latter)."""
+    and the fused pass (False; float32 always takes the latter). ``key_pieces``: 16-bit inputs with
+    Dk > :data:`KEY_PIECE` on the wgmma kernel as pieces of key columns (True, the default where
+    wgmma runs), or the Dk-256 mma.sync kernel (False)."""
 
     segments: Optional[int] = None
     wgmma: Optional[bool] = None
     bv: Optional[int] = None
     dedicated_states: bool = True
+    key_pieces: bool = True
 
     @property
     def steers_plan(self) -> bool:
@@ -278,6 +281,25 @@ def override(**changes) -> Iterator[Overrides]:
         yield overrides
     finally:
         overrides = prev
+
+
+#: Widest key piece of the wgmma kernel (its KMAX).
+KEY_PIECE = 128
+
+
+def key_pieces(dtype: torch.dtype, dk: int, dev: int, overrides: Overrides) -> Optional[list[slice]]:
+    """For 16-bit inputs with Dk > :data:`KEY_PIECE` where the wgmma kernel runs: Dk in equal pieces
+    of at most 128 columns, each a multiple of 8 (16-byte aligned slices) but the last; else None.
+
+    Why: the scores q_i . k_j and the state's rows split over key columns, so the operator is the
+    sum of the operator on each piece (and the final state the pieces' states stacked). On an H100
+    two wgmma passes of Dk 128 beat one pass of the Dk-256 mma.sync kernel, which fits one CTA per
+    SM and forms q k^T again for each 32-column value tile."""
+    if dk <= KEY_PIECE or dtype == torch.float32 or not overrides.key_pieces or not _wgmma_ok(dev, overrides):
+        return None
+    count = -(-dk // KEY_PIECE)
+    step = -(-(-(-dk // count)) // 8) * 8
+    return [slice(a, min(a + step, dk)) for a in range(0, dk, step)]
 
 
 #: The last field of the chunk kernels' parameters (RTK_MODE_* in the kernels).
