@@ -11,34 +11,42 @@ normalizing denominator (as in Katharopoulos et al., 2020), with the per-head de
 project's second seed paper is Gerami & Duraiswami (2025), arXiv 2510.21956. ``normalize=False``
 returns the numerator ``sum_{j<=i} w_ij v_j`` alone.
 
-How it is computed: as ONE call of :func:`rtkernels.causal_linear_attention` (so the CUDA chunk
-kernels run the forward and the backward, and the decay is checked and read exactly as there).
-The denominator is the same decaying operator applied to a column of ones, so ``v`` gets one
-ones column and the core's output column ``Dv`` is the denominator:
+How it is computed: q, k and v go to :func:`rtkernels.causal_linear_attention` ("core") as they
+are (no copy, no padding), and everything else is the same decaying operator on narrow operands.
+With ``ones`` a width-1 stride-0 view of ones, ``core(ones, ones, x)_i = sum_{j<=i} gamma^(i-j) x_j``
+(a width-1 query and key, x as the values), so
 
-    identity:  core(q, k, [v | 1], scale=scale)                    = [num | den]
-    1+qk:      core([scale*q | 1], [k | 1], [v | 1], scale=1)      = [num | den]
+    z = core(ones, ones, k)            u = core(ones, ones, v)          G = core(1, 1, 1) (fp32, [1, H, N, 1])
+    identity:  num = core(q, k, v, scale=scale)        den_i = scale * q_i . z_i
+    1+qk:      num = core(q, k, v, scale=scale) + u    den_i = G_i + scale * q_i . z_i
 
-since ``[scale*q | 1] . [k | 1] = 1 + scale * q.k`` exactly, for every scale, 0 included (nothing
-is divided by scale). Then ``o = num / (den + eps)``. Gradients flow through autograd: the
-padding, the slices and the division are torch operations, and the core's backward runs its kernels.
+(``G_i = sum_{j<=i} gamma^(i-j) = (1 - gamma^(i+1)) / (1 - gamma)``, ``i + 1`` at gamma = 1, is the
+operator on a ones column too, run in fp32 -- fp64 for fp64 inputs -- on one batch row: every gamma
+in (0, 1] alike, and differentiable with respect to a trainable decay like the other calls). Then
+``o = num / (den + eps)``. Every call gets the caller's ``decay`` / ``decay_rate``, ``method`` and
+``layout`` (and ``fp32_precision``; the G call always "exact"), so the CUDA chunk kernels run every
+forward and backward, and the decay is checked and read as by the core. Gradients flow through
+autograd: the row dots, the sums and the division are torch operations, and each core call's
+backward runs its kernels.
 
-Precision: the core runs in the caller's dtype (for fp16/bf16 the 16-bit tensor-core kernels, fp32
-accumulation) and returns ``num`` and ``den`` rounded to that dtype; the division is done in fp32
-for 16-bit inputs (fp32 for fp32, fp64 for fp64) and rounded once to the input dtype. Why not more:
-the error of a 16-bit output is that of three roundings, of ``num``, of ``den`` and of the result,
-and only the last is unavoidable. Removing the other two means running the core in fp32: twice the
-memory traffic and the fp32 (3xTF32) kernel, several times slower than the 16-bit one (the README's
-mid shape, kernels alone: 1.13 against 0.19 ms), to gain a factor of about sqrt(3) (measured on the
-CPU torch path, N = 512, D = 64, gamma 0.9 .. 1, relative Frobenius error against fp64: bf16 2.9e-3
-against 1.6e-3 with an fp32 core, fp16 3.5e-4 against 2.0e-4). Not cheap, so not done. Making only
-the denominator exact would need a second pass (a decayed prefix sum of k in fp32) for a factor of
-about sqrt(3/2). What the fp32 division does buy: ``eps`` is added at fp32 resolution (in fp16, 1e-6
-is subnormal; added in 16 bits it would vanish next to any denominator above about 2e-3 in fp16,
-2.6e-4 in bf16), and ``den + eps`` is not rounded to 16 bits before the division (a 16-bit division
-gave the same error on the inputs above: torch divides 16-bit tensors in fp32 and rounds once). For
-``"1+qk"``, ``scale * q`` is rounded to the input dtype once more (exact when scale is a power of
-2), an error of the size of the rounding of q itself.
+Precision: each core call runs in the caller's dtype (for fp16/bf16 the 16-bit tensor-core kernels,
+fp32 accumulation) and returns its result rounded to that dtype. The row dot ``q_i . z_i`` takes the
+exact products of the 16-bit q and z in fp32 and sums them in fp32; G is fp32; ``den`` stays fp32 and
+``num`` (``"1+qk"``: ``core + u``) is divided in fp32, the result rounded once to the input dtype
+(fp32 inputs: all fp32; fp64: all fp64). So the denominator carries only the roundings of the
+elements of z, which partly average out over the Dk products (measured on the CPU torch path, N =
+512, D = 64, gamma 0.9 .. 1, q and k elu + 1, relative Frobenius error of den against fp64 on the
+same rounded inputs: bf16 2.5e-4, fp16 3.1e-5, where den rounded once to the dtype, as the previous
+single widened call returned it, gave 1.7e-3 and 2.1e-4), and a 16-bit output carries two roundings
+that matter, of num and of the result, where an fp32 core would leave one: relative Frobenius error
+of o, same inputs (scale D^-0.5 for "identity", 0.1 for "1+qk"): bf16 2.3e-3 ("identity") and 2.2e-3
+("1+qk") against 1.6e-3 with everything in fp32; fp16 2.9e-4 and 2.7e-4 against 2.0e-4 (the widened
+single call: 2.8e-3 / 2.9e-3 and 3.5e-4 / 3.6e-4). Running the core in fp32 is not worth that factor
+(about sqrt(2)): twice the memory traffic and the fp32 (3xTF32) kernel, several times slower than the
+16-bit one (the README's mid shape, kernels alone: 1.13 against 0.19 ms). What the fp32 division
+buys: ``eps`` is added at fp32 resolution (in fp16, 1e-6 is subnormal; added in 16 bits it would
+vanish next to any denominator above about 2e-3 in fp16, 2.6e-4 in bf16), and ``den`` is never
+rounded to 16 bits.
 
 Where the denominator vanishes or changes sign: ``s = scale * q.k`` can be negative, and so can
 ``den_i``; as it crosses 0 the output is unbounded. ``eps`` is *added* to the denominator: it
@@ -56,7 +64,6 @@ from typing import Any, Optional, Union
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from .api import Array, _check_inputs, _check_scale, _is_number, _results, causal_linear_attention
 
@@ -64,8 +71,6 @@ __all__ = ["linear_attention", "FEATURES"]
 
 #: Accepted ``feature`` values: the similarity s(q, k) of the weights.
 FEATURES = ("identity", "1+qk")
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def _check_options(normalize: Any, feature: Any, eps: Any) -> tuple[bool, str, float]:
@@ -85,42 +90,13 @@ def _check_options(normalize: Any, feature: Any, eps: Any) -> tuple[bool, str, f
     return bool(normalize), feature, eps
 
 
-def _padded(x: torch.Tensor, width: int, value: float) -> torch.Tensor:
-    """``x`` ``[..., D]`` widened to ``width`` >= D columns (the new ones ``value``), as a view of one
-    copy whose rows are padded to a multiple of 16 bytes: the chunk kernel's vectorized (cp.async)
-    loads need every row to start on 16 bytes, which a row of D + 1 16-bit elements does not for
-    most D. Differentiable (``F.pad`` and a slice)."""
-    d = x.shape[-1]
-    per16 = max(1, 16 // x.element_size())
-    return F.pad(x, (0, -(-width // per16) * per16 - d), value=value)[..., :width]
-
-
-def _with_column(x: torch.Tensor, value: float) -> torch.Tensor:
-    """``[..., D]`` -> ``[..., D + 1]`` with last column ``value``, rows padded to 16 bytes."""
-    return _padded(x, x.shape[-1] + 1, value)
-
-
-class _AlignedGrad(torch.autograd.Function):
-    """The identity, whose backward hands the incoming gradient on in rows padded to 16 bytes. Put
-    on the core's ``[..., Dv + 1]`` output, it gives the core's backward (whose three kernel passes
-    read it like q, k or v) a gradient that takes the vectorized loads; autograd would otherwise
-    hand on a dense ``[..., Dv + 1]`` tensor. Costs one copy of that gradient; CUDA only."""
-
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
-        pass
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        if grad.is_contiguous() and (grad.shape[-1] * grad.element_size()) % 16 == 0:
-            return grad
-        return _padded(grad, grad.shape[-1], 0.0)
+def _rounded(op: Any, *args: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``op(*args)``, computed in the dtype the arguments promote to, rounded once to ``like``'s dtype
+    and contiguous like it: straight into the output (``out=``) where autograd records nothing, else
+    through one temporary in the promoted dtype."""
+    if torch.is_grad_enabled() and any(a.requires_grad for a in args):
+        return op(*args).to(like.dtype)
+    return op(*args, out=torch.empty_like(like))
 
 
 def linear_attention(
@@ -167,29 +143,32 @@ def linear_attention(
     unbounded (eps does not help a negative denominator). Non-negative feature maps on q and k
     (``elu(x) + 1``) with scale > 0 make every weight >= 0 and ``den_i >= scale q_i.k_i > 0``. With
     ``"1+qk"`` the denominator is positive when ``scale * q_i.k_j > -1`` for every pair j <= i. With
-    ``eps = 0`` a zero denominator gives NaN or inf. In fp16, num and den (sums of up to N weighted
-    terms) overflow past 65504: with gamma = 1 and long sequences use bf16, fp32 or a decay.
+    ``eps = 0`` a zero denominator gives NaN or inf. In fp16 the core calls' outputs (num, z, u: sums
+    of up to N weighted terms) overflow past 65504: with gamma = 1 and long sequences use bf16, fp32
+    or a decay.
 
-    Precision: the core call runs in the input dtype (fp16/bf16: the 16-bit kernels, fp32
-    accumulation; num and den come back rounded to 16 bits); the division runs in fp32 for 16-bit
-    inputs and is rounded once. Why, in the module docstring.
+    Precision: the core calls run in the input dtype (fp16/bf16: the 16-bit kernels, fp32
+    accumulation; num, z and u come back rounded to 16 bits); the row dots ``q_i . z_i``, G, the
+    denominator and the division are fp32 for 16-bit inputs, and the result is rounded once. Why,
+    and measured errors, in the module docstring.
 
-    Cost: one call of the core with Dv + 1 value columns (and Dk + 1 key columns for ``"1+qk"``):
-    work O(N C (Dk + Dv) + N Dk Dv) per (batch, head) with chunk C, as the core; memory: the core's,
-    plus one copy of v with the ones column (Dv + 1 wide, rows padded to 16 bytes), for ``"1+qk"``
-    one such copy of q (scaled; while it is made, one more temporary copy of q unless scale = 1)
-    and of k, for 16-bit inputs one fp32 ``[..., Dv]`` temporary of the
-    division; with gradients on CUDA, one copy of the core's output gradient in rows padded to 16
-    bytes (so that the backward's kernel passes, which read it like q, k or v, keep their
-    vectorized loads). The core's kernel limits apply to the widened heads: the chunk kernel takes
-    Dv + 1 <= 512 and, for ``"1+qk"``, Dk + 1 <= 256; beyond that a CUDA call runs the core's torch
-    path (with its RuntimeWarning). Where Dv is a multiple of the kernel's value tile (64 or 128)
-    the ones column costs one more value tile, and with ``"1+qk"`` a Dk of 64 or 128 moves to the
-    next key width (128, 256): more work per token (not measured). No ``initial_state``,
-    ``return_state`` or ``cu_seqlens`` (the widened call's state would be ``[Dk (+1), Dv + 1]``).
+    Cost: the core call on q, k, v as given (no copy), plus narrow calls of the same operator with a
+    width-1 query and key of ones (stride-0 views: no memory): z with Dk value columns, for
+    ``"1+qk"`` also u with Dv value columns and G (``[1, H, N, 1]``, fp32); plus O(N Dk) for the row
+    dots and O(N Dv) for the division, per (batch, head). Work O(N C (Dk + Dv) + N Dk Dv) with
+    chunk C, as the core. A narrow call's memory traffic is reading k (or v) and writing z (or u);
+    its arithmetic is that of a key as wide as the kernel's smallest key tile (64). Memory: the
+    core's, plus z (``[..., Dk]``, input dtype; kept for the backward under autograd), for ``"1+qk"``
+    u (``[..., Dv]``, likewise); fp32 temporaries (16-bit inputs): the row dot's products
+    (``[..., Dk]``), ``[..., 1]`` denominators, and for ``"1+qk"`` or under autograd one or two
+    ``[..., Dv]`` of the division (otherwise it writes the output directly). Backward: each call's backward is the core's (three
+    kernel passes, which for the narrow calls also compute the unused gradients of the ones, and
+    the decay-gradient kernel for a trainable decay). Kernel limits: the core's, on the caller's
+    heads (z has Dk value columns, u Dv, within them whenever the core call is). No
+    ``initial_state``, ``return_state`` or ``cu_seqlens`` (yet).
 
     Gradients: with respect to q, k, v and a decay tensor that requires grad, through autograd (the
-    padding, the slices and the division are torch operations; the core's backward is its own).
+    row dots, the sums and the division are torch operations; each core call's backward is its own).
 
     Raises:
         TypeError / ValueError naming the argument, as the core, and for ``normalize`` (not a bool),
@@ -208,22 +187,30 @@ def linear_attention(
                                 f"or detach it")
     if layout == "bnhd":
         qt, kt, vt = (t.transpose(1, 2) for t in (qt, kt, vt))
-    if feature == "1+qk":  # [scale*q | 1] . [k | 1] = 1 + scale * q.k, exactly, for every scale
-        qt = _with_column(qt if scale == 1.0 else qt * scale, 1.0)
-        kt = _with_column(kt, 1.0)
-        core_scale = 1.0
-    else:
-        core_scale = scale
-    if normalize:
-        vt = _with_column(vt, 1.0)
-    out = causal_linear_attention(qt, kt, vt, decay, decay_rate=decay_rate, scale=core_scale, method=method,
-                                  layout=layout, fp32_precision=fp32_precision)
-    if normalize:
-        if out.requires_grad and out.is_cuda:
-            out = _AlignedGrad.apply(out)
-        dv = vt.shape[-1] - 1
-        num, den = out[..., :dv], out[..., dv:]
-        if den.dtype in _HALF:
-            den = den.float()  # num (16-bit) / den (fp32) promotes: the division runs in fp32
-        out = (num / (den + eps)).to(qt.dtype).contiguous()
-    return _results(out, None, False, kind)
+
+    def core(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, s: float = 1.0,
+             precision: Optional[str] = fp32_precision) -> torch.Tensor:
+        """The decaying operator in the caller's layout, with the caller's decay arguments."""
+        return causal_linear_attention(a, b, c, decay, decay_rate=decay_rate, scale=s, method=method, layout=layout,
+                                       fp32_precision=precision)
+
+    out = core(qt, kt, vt, scale)  # the caller's tensors as they are; the core checks everything else
+    if feature == "identity" and not normalize:
+        return _results(out, None, False, kind)
+    cdt = torch.float64 if qt.dtype == torch.float64 else torch.float32
+    # width-1 query and key of ones: core(ones, ones, x)_i = sum_{j<=i} gamma^(i-j) x_j (stride-0 views)
+    ones = qt.new_ones((1, 1, 1, 1)).expand(*qt.shape[:3], 1)
+    u = core(ones, ones, vt) if feature == "1+qk" else None
+    if not normalize:  # "1+qk": core(q, k, v) + u (torch adds 16-bit tensors in fp32 and rounds once)
+        return _results(out + u, None, False, kind)
+    z = core(ones, ones, kt)
+    # den_i = scale q_i . z_i (+ G_i): products and sum in cdt (16-bit products are exact there)
+    zero = torch.zeros((1, 1, 1, 1), dtype=cdt, device=qt.device).expand(qt.shape)
+    den = torch.addcmul(zero, qt, z).sum(-1, keepdim=True) * scale
+    if feature == "1+qk":  # G_i = sum_{j<=i} gamma^(i-j): the operator on ones in cdt, [1, H, N, 1] or [1, N, H, 1]
+        ones_c = zero.new_ones((1, 1, 1, 1)).expand(1, *qt.shape[1:3], 1)
+        den = den + core(ones_c, ones_c, ones_c, precision="exact")
+    den = den + eps
+    if feature == "1+qk":  # (core + u) / den = core / den + u / den, in cdt
+        return _results(_rounded(torch.addcdiv, out / den, u, den, like=out), None, False, kind)
+    return _results(_rounded(torch.div, out, den, like=out), None, False, kind)

@@ -1,7 +1,8 @@
 """``rtkernels.linear_attention`` on the GPU (marker ``gpu``): fp32, fp16 and bf16 against the fp64
 loop of tests/test_normalized_cpu.py (computed on the GPU from the same rounded inputs), the
 forward and the gradients (q, k, v and a trainable CUDA decay), with the chunk kernels running the
-widened ``[v | 1]`` (and ``[scale q | 1]``, ``[k | 1]``) call forward and backward; no host sync.
+core call on the caller's q, k, v and the width-1 calls on stride-0 ones (z = core(1, 1, k), for
+"1+qk" u = core(1, 1, v) and G in fp32) forward and backward; no host sync.
 
 The inputs keep the denominator well away from 0: q, k = elu(x) + 1 (positive features, so every
 weight is > 0 and den_i >= s(q_i, k_i) > 0), with gamma 0.9 and 0.99 among the heads (and 1e-6, 1).
@@ -16,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 import rtkernels
-from rtkernels import normalized
 from rtkernels.methods import METHODS
 
 from test_normalized_cpu import normalized_loop
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.gpu
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: (B, H, N, Dk, Dv, layout): one token, odd N across chunk boundaries, Dk != Dv, D = 37, Dv = 128
-#: (whose ones column needs one more value tile).
+#: (a whole value tile; z of a Dk = 128 head is 128 value columns wide).
 SHAPES = [(2, 4, 1, 64, 64, "bhnd"), (1, 4, 257, 128, 37, "bnhd"), (2, 4, 1000, 64, 128, "bhnd"),
           (1, 4, 130, 37, 64, "bnhd")]
 GAMMAS = (0.9, 0.99, 1e-6, 1.0)
@@ -115,13 +115,14 @@ def test_forward_matches_fp64(dtype, shape, feature, normalize, method):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gradients_match_fp64(dtype, shape, feature):
     """dq, dk, dv and d(decay) of sum(w * out), normalized, through the chunk kernel's forward and
-    backward (the widened heads are within its limits), against autograd through the fp64 loop:
+    backward (the core call and the width-1 calls are within its limits), against autograd through
+    the fp64 loop:
     dv relative to itself, dq, dk and d(decay) relative to their magnitudes (:func:`_magnitudes`:
     they cancel by construction)."""
     b, h, n, dk, dv, layout = shape
     q, k, v, w, gammas = _inputs(shape, dtype)
-    widened_q = normalized._with_column(q, 1.0) if feature == "1+qk" else q
-    assert METHODS["chunk"].uses_kernel(widened_q, normalized._with_column(v, 1.0))
+    ones = torch.ones_like(q[..., :1])
+    assert all(METHODS["chunk"].uses_kernel(a, c) for a, c in ((q, v), (ones, k), (ones, v)))
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v, gammas.float())]
     out = rtkernels.linear_attention(*leaves[:3], leaves[3], scale=_scale(dk), feature=feature, layout=layout,
                                      fp32_precision="exact")
@@ -138,7 +139,7 @@ def test_gradients_match_fp64(dtype, shape, feature):
 
 @pytest.mark.parametrize("feature", rtkernels.FEATURES)
 def test_no_host_sync_forward_and_backward(feature):
-    """bf16, a trainable CUDA decay: the widening, the core call, the division and the backward never
+    """bf16, a trainable CUDA decay: the core calls, the row dots, the division and the backward never
     sync the host."""
     shape = SHAPES[1]
     q, k, v, w, gammas = _inputs(shape, torch.bfloat16)
@@ -166,3 +167,28 @@ def test_cupy_in_cupy_out():
                                      layout="bnhd")
     assert isinstance(got, cupy.ndarray)
     assert_close(torch.from_dlpack(got), want.double(), torch.float16, "CuPy vs torch")
+
+
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_stride0_ones_in_the_kernel(dtype, layout):
+    """The width-1 calls hand the chunk kernel stride-0 views of ones (no allocation): z = core(1, 1, k)
+    and its gradient with respect to k, forward and backward kernels, against the same call in fp64
+    on the CPU with a dense ones tensor."""
+    shape = (2, 4, 257, 128, 37, layout)
+    _, k, _, _, gammas = _inputs(shape, dtype)
+    lead = k.shape[:3]
+    ones = k.new_ones((1, 1, 1, 1)).expand(*lead, 1)
+    assert ones.stride()[:3] == (0, 0, 0) and METHODS["chunk"].uses_kernel(ones, k)
+    w = torch.randn(k.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to("cuda", dtype)
+    kk = k.clone().requires_grad_(True)
+    z = rtkernels.causal_linear_attention(ones, ones, kk, gammas.float(), layout=layout, method="chunk",
+                                          fp32_precision="exact")
+    (dk,) = torch.autograd.grad((z.float() * w.float()).sum(), [kk])
+    k64 = k.to("cpu", torch.float64).requires_grad_(True)
+    ones64 = torch.ones(*lead, 1, dtype=torch.float64)
+    z64 = rtkernels.causal_linear_attention(ones64, ones64, k64, gammas.float().cpu(), layout=layout)
+    (dk64,) = torch.autograd.grad((z64 * w.to("cpu", torch.float64)).sum(), [k64])
+    assert z.dtype == dk.dtype == dtype and z.shape == dk.shape == k.shape
+    assert_close(z, z64, dtype, f"z {dtype} {layout}", n=shape[2])
+    assert_close(dk, dk64, dtype, f"dk {dtype} {layout}", n=shape[2])

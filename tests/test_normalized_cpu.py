@@ -16,7 +16,6 @@ import torch.nn.functional as F
 
 import rtkernels
 from rtkernels import normalized
-from rtkernels.methods.chunk.plan import aligned
 from tolerances import assert_close
 
 F64 = torch.float64
@@ -153,6 +152,16 @@ def test_low_precision_dtypes(dtype, feature):
     assert_close(out, normalized_loop(q, k, v, heads(), 0.25, feature, True, 1e-6, "bnhd")[0], dtype, str(dtype))
 
 
+@pytest.mark.parametrize("feature", rtkernels.FEATURES)
+def test_recording_autograd_does_not_change_the_output(feature):
+    """Without autograd the last operation writes the 16-bit output directly (``out=``); with it,
+    through an fp32 temporary: the same single rounding, the same bits."""
+    q, k, v = make_inputs(15, 2, 4, 70, 8, 6, "bhnd", dtype=torch.bfloat16)
+    plain = rtkernels.linear_attention(q, k, v, heads(), feature=feature, scale=0.5)
+    recorded = rtkernels.linear_attention(q.requires_grad_(True), k, v, heads(), feature=feature, scale=0.5)
+    assert recorded.requires_grad and recorded.dtype == plain.dtype and torch.equal(recorded.detach(), plain)
+
+
 # ---------------------------------------------------------------------------------- gradients
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
@@ -186,29 +195,53 @@ def test_gradients_match_fp64_loop(feature):
         assert_close(g, r, F64, f"d{name} {feature}")
 
 
-def test_aligned_grad_hands_on_padded_rows():
-    """The CUDA-only gradient relayout works anywhere: same values, rows on 16 bytes."""
-    x = torch.randn(2, 3, 10, 13, dtype=torch.float16, requires_grad=True)
-    seen = []
-    y = x * 1
-    y.register_hook(lambda g: seen.append(g))
-    g_in = torch.randn(2, 3, 10, 13).half()
-    normalized._AlignedGrad.apply(y).backward(g_in)
-    assert torch.equal(seen[0], g_in) and aligned(seen[0]) and not aligned(g_in)
+# ------------------------------------------------------------------------------ the core calls
 
-
-# --------------------------------------------------------------------------------- the helpers
-
-@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("d", [1, 7, 37, 64, 127])
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
-def test_column_is_appended_on_aligned_rows(dtype, d, layout):
-    """The ones column: the values of x, then 1; the [B, H, N, D+1] view the core sees (bnhd:
-    transposed) starts every row on 16 bytes, so the chunk kernel keeps its vectorized loads."""
-    x = torch.randn(2, 5, 3, d).to(dtype)
-    y = normalized._with_column(x, 1.0)
-    assert y.shape == (2, 5, 3, d + 1) and torch.equal(y[..., :d], x) and (y[..., d] == 1).all()
-    assert aligned(y if layout == "bhnd" else y.transpose(1, 2))
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("feature", rtkernels.FEATURES)
+def test_core_calls_take_the_callers_tensors(feature, normalize, layout, monkeypatch):
+    """No copy of q, k or v: the core gets them as they are (same memory, same strides), the other
+    operands are width-1 stride-0 views of ones (``core(1, 1, k) = z``, ``core(1, 1, v) = u``, and for
+    ``"1+qk"`` a ``[1, H, N, 1]`` call in fp32 for G); every call gets the caller's decay arguments."""
+    calls = []
+    real = normalized.causal_linear_attention
+
+    def record(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(normalized, "causal_linear_attention", record)
+    q, k, v = (x.to(torch.bfloat16) for x in make_inputs(14, 2, 3, 9, 5, 7, layout))
+    decay, rate = torch.tensor([0.5, 0.9, 1.0]), None
+    rtkernels.linear_attention(q, k, v, decay, decay_rate=rate, scale=0.3, normalize=normalize, feature=feature,
+                               layout=layout, method="chunk", fp32_precision="tf32")
+
+    def same(x, y):
+        return x.data_ptr() == y.data_ptr() and x.shape == y.shape and x.stride() == y.stride() and x.dtype == y.dtype
+
+    def ones(x, lead):
+        return (x.shape == (*lead, 1) and all(s == 0 or n == 1 for s, n in zip(x.stride()[:3], lead))
+                and bool((x == 1).all()))
+
+    lead = tuple(q.shape[:3])
+    expected = ["main"] + (["u"] if feature == "1+qk" else []) + (["z"] if normalize else []) \
+        + (["G"] if normalize and feature == "1+qk" else [])
+    assert len(calls) == len(expected)
+    for what, (args, kwargs) in zip(expected, calls):
+        a, b, c, d = args
+        assert d is decay and kwargs["decay_rate"] is rate and kwargs["layout"] == layout, what
+        assert kwargs["method"] == "chunk", what
+        if what == "main":
+            assert same(a, q) and same(b, k) and same(c, v) and kwargs["scale"] == 0.3
+            assert kwargs["fp32_precision"] == "tf32"
+        elif what in ("u", "z"):
+            assert ones(a, lead) and a.dtype == q.dtype and b is a and same(c, v if what == "u" else k), what
+            assert kwargs["scale"] == 1.0 and kwargs["fp32_precision"] == "tf32", what
+        else:  # G: computed in fp32 (exact mode), one batch row
+            g_lead = (1, *lead[1:])
+            assert ones(a, g_lead) and a.dtype == torch.float32 and b is a and c is a
+            assert kwargs["fp32_precision"] == "exact"
 
 
 # ------------------------------------------------------------------------------- bad arguments
