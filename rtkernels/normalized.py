@@ -65,7 +65,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from .api import Array, _check_inputs, _check_scale, _is_number, _results, causal_linear_attention
+from .api import Array, _check_inputs, _check_scale, _func_active, _is_number, _results, causal_linear_attention
 
 __all__ = ["linear_attention", "FEATURES"]
 
@@ -93,8 +93,9 @@ def _check_options(normalize: Any, feature: Any, eps: Any) -> tuple[bool, str, f
 def _rounded(op: Any, *args: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``op(*args)``, computed in the dtype the arguments promote to, rounded once to ``like``'s dtype
     and contiguous like it: straight into the output (``out=``) where autograd records nothing, else
-    through one temporary in the promoted dtype."""
-    if torch.is_grad_enabled() and any(a.requires_grad for a in args):
+    (and under torch.func transforms, which take no ``out=``) through one temporary in the promoted
+    dtype."""
+    if (torch.is_grad_enabled() and any(a.requires_grad for a in args)) or _func_active():
         return op(*args).to(like.dtype)
     return op(*args, out=torch.empty_like(like))
 
@@ -161,9 +162,9 @@ def linear_attention(
     core's, plus z (``[..., Dk]``, input dtype; kept for the backward under autograd), for ``"1+qk"``
     u (``[..., Dv]``, likewise); fp32 temporaries (16-bit inputs): the row dot's products
     (``[..., Dk]``), ``[..., 1]`` denominators, and for ``"1+qk"`` or under autograd one or two
-    ``[..., Dv]`` of the division (otherwise it writes the output directly). Backward: each call's backward is the core's (three
-    kernel passes, which for the narrow calls also compute the unused gradients of the ones, and
-    the decay-gradient kernel for a trainable decay). Kernel limits: the core's, on the caller's
+    ``[..., Dv]`` of the division (otherwise it writes the output directly). Backward: each call's
+    backward is the core's (three kernel passes, which for the narrow calls also compute the unused
+    gradients of the ones, and the decay-gradient kernel for a trainable decay). Kernel limits: the core's, on the caller's
     heads (z has Dk value columns, u Dv, within them whenever the core call is). No
     ``initial_state``, ``return_state`` or ``cu_seqlens`` (yet).
 

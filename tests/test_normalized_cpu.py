@@ -162,6 +162,15 @@ def test_recording_autograd_does_not_change_the_output(feature):
     assert recorded.requires_grad and recorded.dtype == plain.dtype and torch.equal(recorded.detach(), plain)
 
 
+@pytest.mark.parametrize("feature", rtkernels.FEATURES)
+def test_vmap(feature):
+    """torch.func.vmap over a leading axis: each slice as its own call."""
+    q, k, v = (x.reshape(3, 1, *x.shape[1:]) for x in make_inputs(16, 3, 4, 20, 5, 6, "bhnd"))
+    got = torch.func.vmap(lambda a, b, c: rtkernels.linear_attention(a, b, c, heads(), feature=feature))(q, k, v)
+    want = torch.stack([rtkernels.linear_attention(q[i], k[i], v[i], heads(), feature=feature) for i in range(3)])
+    assert_close(got, want, F64, feature)
+
+
 # ---------------------------------------------------------------------------------- gradients
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])

@@ -188,40 +188,43 @@ def tune_problem(problem: Problem, device_index: int = 0, methods: Optional[Sequ
     from ..methods.registry import METHODS, run_method
 
     limits = device_limits(device_index)
-    with torch.cuda.device(device_index):
-        q, k, v, gamma = make_inputs(problem, device_index)
-        in_bytes = sum(t.numel() * t.element_size() for t in (q, k, v))
-        l2 = int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 50 << 20))
-        flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=q.device) if in_bytes < 2 * l2 else None
-        timer = timer or cuda_timer(device_index, reps, flush)
-        validate = validate or reference_validator(problem, q, k, v, gamma)
 
-        log_decay = _log_decay(gamma, q.device)
+    def run() -> TuneResult:  # its inputs and buffers are freed when it returns
+        with torch.cuda.device(device_index):
+            q, k, v, gamma = make_inputs(problem, device_index)
+            in_bytes = sum(t.numel() * t.element_size() for t in (q, k, v))
+            l2 = int(getattr(torch.cuda.get_device_properties(device_index), "L2_cache_size", 50 << 20))
+            flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=q.device) if in_bytes < 2 * l2 else None
+            timing = timer or cuda_timer(device_index, reps, flush)
+            checking = validate or reference_validator(problem, q, k, v, gamma)
 
-        def prepare(cand: Candidate) -> Callable[[], Any]:
-            """A call of one candidate as the cached API call makes it: the kernel planned once
-            (where the method plans) and repeated; fp32: the exact mode, which TOLERANCES checks."""
-            method, m = cand.method, METHODS[cand.method]
-            out = torch.empty(problem.b, problem.h, problem.n, problem.dv, dtype=q.dtype, device=q.device)
-            launcher: list[Any] = []
+            log_decay = _log_decay(gamma, q.device)
 
-            def call() -> Any:
-                with answers.forced(method, cand.config):
-                    if m.kernel_prepare is not None and m.uses_kernel(q, v):
-                        if not launcher:
-                            launcher.append(m.kernel_prepare(q, k, v, log_decay, 1.0, out, False,
-                                                             fp32_precision="exact"))
-                        launcher[0](q, k, v, out, None)
-                    else:
-                        run_method(method, q, k, v, log_decay, 1.0, out, None, False, fp32_precision="exact")
-                return out
-            return call
+            def prepare(cand: Candidate) -> Callable[[], Any]:
+                """A call of one candidate as the cached API call makes it: the kernel planned once
+                (where the method plans) and repeated; fp32: the exact mode, which TOLERANCES checks."""
+                method, m = cand.method, METHODS[cand.method]
+                out = torch.empty(problem.b, problem.h, problem.n, problem.dv, dtype=q.dtype, device=q.device)
+                launcher: list[Any] = []
 
-        note = f"CUDA events, median of {reps} (3 above 50 ms), L2 " + \
-            ("flushed" if flush is not None else "not flushed (inputs exceed 2x L2)")
-        result = tuner.tune(problem, candidates(problem, limits, methods), prepare, timer, validate, progress,
-                      heuristic_method=heuristic_method(problem), timer_note=note)
-        del q, k, v, flush, log_decay
+                def call() -> Any:
+                    with answers.forced(method, cand.config):
+                        if m.kernel_prepare is not None and m.uses_kernel(q, v):
+                            if not launcher:
+                                launcher.append(m.kernel_prepare(q, k, v, log_decay, 1.0, out, False,
+                                                                 fp32_precision="exact"))
+                            launcher[0](q, k, v, out, None)
+                        else:
+                            run_method(method, q, k, v, log_decay, 1.0, out, None, False, fp32_precision="exact")
+                    return out
+                return call
+
+            note = f"CUDA events, median of {reps} (3 above 50 ms), L2 " + \
+                ("flushed" if flush is not None else "not flushed (inputs exceed 2x L2)")
+            return tuner.tune(problem, candidates(problem, limits, methods), prepare, timing, checking, progress,
+                              heuristic_method=heuristic_method(problem), timer_note=note)
+
+    result = run()
     torch.cuda.empty_cache()
     return result
 
