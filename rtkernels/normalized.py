@@ -164,9 +164,9 @@ def linear_attention(
     (``[..., Dk]``), ``[..., 1]`` denominators, and for ``"1+qk"`` or under autograd one or two
     ``[..., Dv]`` of the division (otherwise it writes the output directly). Backward: each call's
     backward is the core's (three kernel passes, which for the narrow calls also compute the unused
-    gradients of the ones, and the decay-gradient kernel for a trainable decay). Kernel limits: the core's, on the caller's
-    heads (z has Dk value columns, u Dv, within them whenever the core call is). No
-    ``initial_state``, ``return_state`` or ``cu_seqlens`` (yet).
+    gradients of the ones, and the decay-gradient kernel for a trainable decay). Kernel limits: the
+    core's, on the caller's heads (z has Dk value columns, u Dv, within them whenever the core call
+    is). No ``initial_state``, ``return_state`` or ``cu_seqlens`` (yet).
 
     Gradients: with respect to q, k, v and a decay tensor that requires grad, through autograd (the
     row dots, the sums and the division are torch operations; each core call's backward is its own).
