@@ -13,8 +13,8 @@ returns the numerator ``sum_{j<=i} w_ij v_j`` alone.
 
 How it is computed: q, k and v go to :func:`rtkernels.causal_linear_attention` ("core") as they
 are (no copy, no padding), and everything else is the same decaying operator on narrow operands.
-With ``ones`` a width-1 stride-0 view of ones, ``core(ones, ones, x)_i = sum_{j<=i} gamma^(i-j) x_j``
-(a width-1 query and key, x as the values), so
+With ``ones`` a stride-0 view of rows e_1 = (1, 0, ..., 0) (8 wide), ``core(ones, ones, x)_i = sum_{j<=i} gamma^(i-j) x_j``
+(a query and key of unit rows, x as the values), so
 
     z = core(ones, ones, k)            u = core(ones, ones, v)          G = core(1, 1, 1) (fp32, [1, H, N, 1])
     identity:  num = core(q, k, v, scale=scale)        den_i = scale * q_i . z_i
@@ -100,6 +100,13 @@ def _rounded(op: Any, *args: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return op(*args, out=torch.empty_like(like))
 
 
+def _unit_keys(x: torch.Tensor) -> torch.Tensor:
+    """Query and key rows e_1 = (1, 0, ..., 0) for ``x``'s leading three dims, a stride-0 view of one
+    8-wide row: ``core(e, e, y)_i = sum_{j<=i} gamma^(i-j) y_j``. 8 wide, not 1: 16-byte rows let the
+    kernel load the values with cp.async (1-wide rows send every operand through its element loader)."""
+    return torch.nn.functional.pad(x.new_ones((1, 1, 1, 1)), (0, 7)).expand(*x.shape[:3], 8)
+
+
 def linear_attention(
     q: Array, k: Array, v: Array, decay: Union[None, float, Array] = None, *,
     decay_rate: Union[None, float, Array] = None, scale: float = 1.0, normalize: bool = True,
@@ -154,7 +161,7 @@ def linear_attention(
     and measured errors, in the module docstring.
 
     Cost: the core call on q, k, v as given (no copy), plus narrow calls of the same operator with a
-    width-1 query and key of ones (stride-0 views: no memory): z with Dk value columns, for
+    query and key of unit rows e_1 (stride-0 views: no memory): z with Dk value columns, for
     ``"1+qk"`` also u with Dv value columns and G (``[1, H, N, 1]``, fp32); plus O(N Dk) for the row
     dots and O(N Dv) for the division, per (batch, head). Work O(N C (Dk + Dv) + N Dk Dv) with
     chunk C, as the core. A narrow call's memory traffic is reading k (or v) and writing z (or u);
@@ -199,8 +206,7 @@ def linear_attention(
     if feature == "identity" and not normalize:
         return _results(out, None, False, kind)
     cdt = torch.float64 if qt.dtype == torch.float64 else torch.float32
-    # width-1 query and key of ones: core(ones, ones, x)_i = sum_{j<=i} gamma^(i-j) x_j (stride-0 views)
-    ones = qt.new_ones((1, 1, 1, 1)).expand(*qt.shape[:3], 1)
+    ones = _unit_keys(qt)
     u = core(ones, ones, vt) if feature == "1+qk" else None
     if not normalize:  # "1+qk": core(q, k, v) + u (torch adds 16-bit tensors in fp32 and rounds once)
         return _results(out + u, None, False, kind)

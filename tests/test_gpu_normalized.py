@@ -1,7 +1,7 @@
 """``rtkernels.linear_attention`` on the GPU (marker ``gpu``): fp32, fp16 and bf16 against the fp64
 loop of tests/test_normalized_cpu.py (computed on the GPU from the same rounded inputs), the
 forward and the gradients (q, k, v and a trainable CUDA decay), with the chunk kernels running the
-core call on the caller's q, k, v and the width-1 calls on stride-0 ones (z = core(1, 1, k), for
+core call on the caller's q, k, v and the narrow calls on stride-0 unit rows (z = core(1, 1, k), for
 "1+qk" u = core(1, 1, v) and G in fp32) forward and backward; no host sync.
 
 The inputs keep the denominator well away from 0: q, k = elu(x) + 1 (positive features, so every
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 import rtkernels
 from rtkernels.methods import METHODS
+from rtkernels.normalized import _unit_keys
 
 from test_normalized_cpu import normalized_loop
 from tolerances import assert_close, assert_close_to_magnitude
@@ -172,13 +173,13 @@ def test_cupy_in_cupy_out():
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_stride0_ones_in_the_kernel(dtype, layout):
-    """The width-1 calls hand the chunk kernel stride-0 views of ones (no allocation): z = core(1, 1, k)
+    """The narrow calls hand the chunk kernel stride-0 views of unit rows e_1 (no allocation): z = core(1, 1, k)
     and its gradient with respect to k, forward and backward kernels, against the same call in fp64
     on the CPU with a dense ones tensor."""
     shape = (2, 4, 257, 128, 37, layout)
     _, k, _, _, gammas = _inputs(shape, dtype)
     lead = k.shape[:3]
-    ones = k.new_ones((1, 1, 1, 1)).expand(*lead, 1)
+    ones = _unit_keys(k)  # rows e_1, 8 wide
     assert ones.stride()[:3] == (0, 0, 0) and METHODS["chunk"].uses_kernel(ones, k)
     w = torch.randn(k.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to("cuda", dtype)
     kk = k.clone().requires_grad_(True)
@@ -186,7 +187,8 @@ def test_stride0_ones_in_the_kernel(dtype, layout):
                                           fp32_precision="exact")
     (dk,) = torch.autograd.grad((z.float() * w.float()).sum(), [kk])
     k64 = k.to("cpu", torch.float64).requires_grad_(True)
-    ones64 = torch.ones(*lead, 1, dtype=torch.float64)
+    ones64 = torch.zeros(*lead, 8, dtype=torch.float64)
+    ones64[..., 0] = 1
     z64 = rtkernels.causal_linear_attention(ones64, ones64, k64, gammas.float().cpu(), layout=layout)
     (dk64,) = torch.autograd.grad((z64 * w.to("cpu", torch.float64)).sum(), [k64])
     assert z.dtype == dk.dtype == dtype and z.shape == dk.shape == k.shape

@@ -233,6 +233,10 @@ def test_core_calls_take_the_callers_tensors(feature, normalize, layout, monkeyp
         return (x.shape == (*lead, 1) and all(s == 0 or n == 1 for s, n in zip(x.stride()[:3], lead))
                 and bool((x == 1).all()))
 
+    def unit_rows(x, lead):  # e_1 = (1, 0, ..., 0), 8 wide (16-byte rows), stride 0 over the tokens
+        return (x.shape == (*lead, 8) and all(s == 0 or n == 1 for s, n in zip(x.stride()[:3], lead))
+                and bool((x[..., 0] == 1).all()) and bool((x[..., 1:] == 0).all()))
+
     lead = tuple(q.shape[:3])
     expected = ["main"] + (["u"] if feature == "1+qk" else []) + (["z"] if normalize else []) \
         + (["G"] if normalize and feature == "1+qk" else [])
@@ -245,7 +249,7 @@ def test_core_calls_take_the_callers_tensors(feature, normalize, layout, monkeyp
             assert same(a, q) and same(b, k) and same(c, v) and kwargs["scale"] == 0.3
             assert kwargs["fp32_precision"] == "tf32"
         elif what in ("u", "z"):
-            assert ones(a, lead) and a.dtype == q.dtype and b is a and same(c, v if what == "u" else k), what
+            assert unit_rows(a, lead) and a.dtype == q.dtype and b is a and same(c, v if what == "u" else k), what
             assert kwargs["scale"] == 1.0 and kwargs["fp32_precision"] == "tf32", what
         else:  # G: computed in fp32 (exact mode), one batch row
             g_lead = (1, *lead[1:])
