@@ -6,9 +6,10 @@ dtype, so the fp64 reference (tests/reference.py) sees exactly the values the li
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from hypothesis import strategies as st
@@ -237,3 +238,22 @@ def force_chunk(monkeypatch, **changes) -> None:
     from rtkernels.methods.chunk import plan
 
     monkeypatch.setattr(plan, "overrides", dataclasses.replace(plan.overrides, **changes))
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """Inside the block a host sync raises (torch.cuda.set_sync_debug_mode("error")); the GPU is
+    synchronized first, so earlier work does not count."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def run_without_host_sync(step: Callable[[], object]) -> None:
+    """``step()`` once (first-call work: compiles, plans, caches), then again under :func:`no_host_sync`."""
+    step()
+    with no_host_sync():
+        step()

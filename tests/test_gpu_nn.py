@@ -17,6 +17,7 @@ import torch
 
 from test_nn_cpu import DIM, H, REPO, inputs, make_layer, model_fp64
 from tolerances import assert_close
+from inputs import no_host_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -73,14 +74,10 @@ def test_prefill_then_steps_equal_forward_without_host_sync(dtype, autocast, tra
         out, state = layer(x[:, :prefill], return_state=True)
         pool[idx.long()] = state.detach()
         outs, t0 = [out.detach()], prefill
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             for t in sizes:
                 outs.append(layer.step(x[:, t0:t0 + t], pool, state_indices=idx))
                 t0 += t
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
         with torch.no_grad():
             whole, final = layer(x, return_state=True)
     sixteen = dtype == torch.bfloat16 or autocast
