@@ -21,7 +21,6 @@ import test_grad_cpu as grad_cpu
 from inputs import make_qkv, make_state, randn
 from reference import reference
 from rtkernels.decay import LogDecay
-from rtkernels.methods.chunk import backward as chunk_backward
 from rtkernels.methods.chunk.backward import forward_pass, kernel_backward, supports
 from tolerances import assert_close
 
@@ -185,23 +184,32 @@ def test_registered_in_front_for_kernel_inputs_only():
 
 
 @pytest.mark.parametrize("reverse", (False, True))
-@pytest.mark.parametrize("dv", (16, 40, 3))
-def test_value_pieces_add_up_to_the_whole_pass(monkeypatch, reverse, dv):
-    """The dq / dk passes of a Dv wider than the kernel's Dk limit run as pieces of value columns
-    (MAX_DIM lowered to 7 here, so 16 -> 3 pieces of 6, 6, 4; 40 -> 6 pieces; 3 -> one): their sum,
-    the state term included, equals one pass over all columns, in fp64."""
-    monkeypatch.setattr(chunk_backward.plan, "MAX_DIM", 7)
-    pieces = chunk_backward._pieces(dv)
-    assert len(pieces) == -(-dv // 7) and all(p.stop - p.start <= 7 for p in pieces)
+@pytest.mark.parametrize("dv", (40, 37, 16, 3))
+def test_key_pieces_add_up_to_the_whole_pass(monkeypatch, reverse, dv):
+    """A contraction wider than the kernel takes (the backward's dq / dk passes, whose keys are Dv
+    wide) runs as pieces of key columns (``plan.key_pieces``, as ``launch.KeyPiecesLaunch`` does;
+    MAX_DIM lowered to 16 here, so 40 -> 16, 16, 8; 37 -> 16, 16, 5; 16 and 3 -> one piece): the
+    outputs add up to one pass over all columns, the state term included, and the final states
+    stack along the key rows, in fp64."""
+    from rtkernels.methods.chunk import plan
+
+    monkeypatch.setattr(plan, "MAX_DIM", 16)
+    pieces = plan.key_pieces(torch.float32, dv, 0, plan.current_overrides()) or [slice(0, dv)]
+    assert len(pieces) == -(-dv // 16) and all(p.stop - p.start <= 16 for p in pieces)
     assert [i for p in pieces for i in range(p.start, p.stop)] == list(range(dv))
     b, h, n, dx = 2, len(GAMMAS), 130, 5
     g, w, c = (randn(torch.Generator().manual_seed(s), (b, h, n, d), F64) for s, d in ((1, dv), (2, dv), (3, dx)))
     s0 = None if reverse else randn(torch.Generator().manual_seed(4), (b, h, dv, dx), F64)
     whole = torch.empty(b, h, n, dx, dtype=F64)
-    forward_pass(g, w, c, _log_decay(), 0.7, whole, s0, False, reverse, on_kernel=False)
-    split = torch.empty_like(whole)
-    chunk_backward._contract_over_values(g, w, c, _log_decay(), 0.7, split, s0, reverse, "exact", False, pieces)
-    assert_close(split, whole, F64, "sum of the value pieces")
+    whole_state = forward_pass(g, w, c, _log_decay(), 0.7, whole, s0, True, reverse, on_kernel=False)
+    split, states = torch.zeros_like(whole), []
+    for p in pieces:
+        part = torch.empty_like(whole)
+        states.append(forward_pass(g[..., p], w[..., p], c, _log_decay(), 0.7, part,
+                                   None if s0 is None else s0[:, :, p], True, reverse, on_kernel=False))
+        split += part
+    assert_close(split, whole, F64, "sum of the key pieces")
+    assert_close(torch.cat(states, dim=2), whole_state, F64, "stacked states of the key pieces")
 
 
 def test_value_width_limit_of_the_kernels():
@@ -216,8 +224,8 @@ def test_value_width_limit_of_the_kernels():
 
 def test_key_pieces_plan():
     """Dk over 128 on the wgmma kernel: equal pieces of at most 128 key columns, 16-byte aligned
-    (multiples of 8) but the last, covering Dk once; none for fp32, Dk <= 128, or where the wgmma
-    kernel or the pieces are switched off."""
+    (multiples of 8) but the last, covering Dk once; elsewhere (fp32, no wgmma, pieces switched
+    off) pieces of at most 256 only where Dk is wider (the backward's Dv-wide passes)."""
     from rtkernels.methods.chunk import plan
 
     bf16 = torch.bfloat16
@@ -231,5 +239,10 @@ def test_key_pieces_plan():
         assert plan.key_pieces(torch.float32, 256, 0, plan.current_overrides()) is None
         with plan.override(key_pieces=False):
             assert plan.key_pieces(bf16, 256, 0, plan.current_overrides()) is None
+        assert plan.key_pieces(bf16, 512, 0, plan.current_overrides())[-1] == slice(384, 512)
+        assert [(p.start, p.stop) for p in plan.key_pieces(torch.float32, 512, 0, plan.current_overrides())] \
+            == [(0, 256), (256, 512)]
     with plan.override(wgmma=False):
         assert plan.key_pieces(torch.float16, 256, 0, plan.current_overrides()) is None
+        assert [(p.start, p.stop) for p in plan.key_pieces(torch.float16, 320, 0, plan.current_overrides())] \
+            == [(0, 160), (160, 320)]

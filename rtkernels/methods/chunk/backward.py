@@ -48,8 +48,8 @@ accumulates in fp32 (about the accuracy of the other gradients, far better where
 cancel).
 
 Dv up to ``plan.MAX_VALUE_DIM`` (512) where Dk <= ``plan.MAX_DIM`` (256): the dq and dk passes
-contract over Dv (their "keys" are v and g), so a Dv over 256 runs each of them as pieces of at
-most 256 value columns whose outputs add up (:func:`_contract_over_values`).
+contract over Dv (their "keys" are v and g); the launch runs a contraction wider than the kernel
+takes as pieces of key columns whose outputs add up (``launch.KeyPiecesLaunch``).
 
 Work: three forward passes, plus O(N Dk Dv) for the G terms, plus for a trainable decay the
 dlog(gamma) kernel, O(N C (Dk + Dv) + N Dk Dv) (about one more forward pass). Memory: the three
@@ -92,34 +92,8 @@ def kernel_runs(*tensors: torch.Tensor) -> bool:
     and out at most ``plan.MAX_VALUE_DIM``, a configuration for (Dk, Dv) = the widths of q and v
     (fp32: one that fits the shared memory), and CuPy with a driver."""
     x, v = tensors[0], tensors[2] if len(tensors) > 2 else tensors[-1]
-    widths_ok = all(t.shape[-1] <= plan.MAX_DIM for t in tensors[:2 if len(tensors) > 2 else 1])
-    return (x.dtype in KERNEL_DTYPES and all(t.dtype == x.dtype for t in tensors) and widths_ok
-            and all(t.shape[-1] <= plan.MAX_VALUE_DIM for t in tensors) and x.is_cuda
+    return (x.dtype in KERNEL_DTYPES and all(t.dtype == x.dtype for t in tensors) and x.is_cuda
             and plan.kernel_supports(x, v) and kernels_available(x.device))
-
-
-def _pieces(width: int) -> list[slice]:
-    """``width`` columns in equal pieces of at most ``plan.MAX_DIM`` (one piece where it fits)."""
-    count = -(-width // plan.MAX_DIM)
-    step = -(-width // count)
-    return [slice(a, min(a + step, width)) for a in range(0, width, step)]
-
-
-def _contract_over_values(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, log_decay: LogDecay, scale: float,
-                          out: torch.Tensor, initial_state: Optional[torch.Tensor], reverse: bool,
-                          fp32_precision: str, on_kernel: bool, pieces: list[slice]) -> None:
-    """``out = F(a, b, c, X)`` (or R with ``reverse``) where a and b are Dv wide: the scores a_i . b_j
-    and the state term a_i X are sums over value columns, so a Dv wider than the kernel's Dk limit
-    runs as pieces of columns whose outputs add up (each piece rounded once to the output dtype,
-    their sum once more). ``initial_state``: ``[B, H, Dv, Dx]`` or None; ``pieces``: the column
-    slices (:func:`_pieces` on the kernel path, one whole slice elsewhere)."""
-    for i, cols in enumerate(pieces):
-        dst = out if i == 0 else torch.empty_like(out)
-        s0 = None if initial_state is None else initial_state[:, :, cols]
-        forward_pass(a[..., cols], b[..., cols], c, log_decay, scale, dst, s0, False, reverse, fp32_precision,
-                     on_kernel)
-        if i:
-            out.add_(dst)
 
 
 def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
@@ -181,9 +155,8 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
     mode = fp32_precision
-    cols = _pieces(v.shape[-1]) if on_kernel else [slice(None)]  # Dv > MAX_DIM: q . k-like passes in pieces
-    _contract_over_values(grad_out, v, k, log_decay, scale, dq, s0_t, False, mode, on_kernel, cols)
-    _contract_over_values(v, grad_out, q, log_decay, scale, dk, None, True, mode, on_kernel, cols)
+    forward_pass(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, mode, on_kernel)
+    forward_pass(v, grad_out, q, log_decay, scale, dk, None, False, True, mode, on_kernel)
     back = forward_pass(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, mode, on_kernel)
     # log(gamma) in torch only where the state terms need it (a device decay costs several ops)
     lg = log_decay.tensor(cdt) if need_state_grad or grad_state is not None else None

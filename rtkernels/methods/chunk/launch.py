@@ -117,7 +117,8 @@ class ChunkLaunch:
 
 
 class KeyPiecesLaunch:
-    """A planned call for Dk over the wgmma kernel's 128 (:func:`.plan.key_pieces`): one
+    """A planned call whose Dk is split (:func:`.plan.key_pieces`: over 128 on the wgmma kernel, over
+    256 elsewhere, which the backward's Dv-wide passes need): one
     :class:`ChunkLaunch` per piece of key columns, the first writing ``out``, the others a
     contiguous temporary each that is then added to it (one more rounding of a 16-bit output); the
     final state is the pieces' states stacked along Dk, the initial state split the same way.
@@ -159,7 +160,7 @@ def _launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "Log
 def kernel_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
                    out: torch.Tensor, need_state: bool, fp32_precision: str = "exact") -> ChunkLaunch:
     """Plan the kernel call for ``[B, H, N, D]`` views with unit stride along D (see
-    :class:`ChunkLaunch`; :class:`KeyPiecesLaunch` for Dk > 128 on the wgmma kernel): the autotune
+    :class:`ChunkLaunch`; :class:`KeyPiecesLaunch` where Dk is split): the autotune
     store's config for the shape bucket, else :func:`.plan.plan_launch`; ``fp32_precision``: the
     float32 kernel's mode."""
     return _launcher(q, k, v, log_decay, scale, out, need_state, False, fp32_precision)

@@ -29,7 +29,7 @@ SEG_SCAN_SOURCE = "chunk/seg_scan.cu"
 MAX_DIM = 256
 #: Largest Dv the kernels take: the value columns are split over CTAs in tiles of BV, so Dv only
 #: sets the grid (RetNet's heads have Dv = 2 Dk = 512). The backward contracts over Dv in two of
-#: its passes and splits those into pieces of at most MAX_DIM columns.
+#: its passes, which the launch runs as pieces of key columns (:func:`key_pieces`).
 MAX_VALUE_DIM = 512
 CHUNK_KERNEL = 64  # tokens per chunk of the kernel (8 warps: 4 output warps x 16 rows, 4 state warps)
 
@@ -288,16 +288,20 @@ KEY_PIECE = 128
 
 
 def key_pieces(dtype: torch.dtype, dk: int, dev: int, overrides: Overrides) -> Optional[list[slice]]:
-    """For 16-bit inputs with Dk > :data:`KEY_PIECE` where the wgmma kernel runs: Dk in equal pieces
-    of at most 128 columns, each a multiple of 8 (16-byte aligned slices) but the last; else None.
+    """The key columns in equal pieces, each a multiple of 8 (16-byte aligned slices) but the last,
+    of at most :data:`KEY_PIECE` for 16-bit inputs where the wgmma kernel runs (unless
+    ``overrides.key_pieces`` is off), else of at most :data:`MAX_DIM`; None where Dk fits one piece.
 
     Why: the scores q_i . k_j and the state's rows split over key columns, so the operator is the
     sum of the operator on each piece (and the final state the pieces' states stacked). On an H100
     two wgmma passes of Dk 128 beat one pass of the Dk-256 mma.sync kernel, which fits one CTA per
-    SM and forms q k^T again for each 32-column value tile."""
-    if dk <= KEY_PIECE or dtype == torch.float32 or not overrides.key_pieces or not _wgmma_ok(dev, overrides):
+    SM and forms q k^T again for each 32-column value tile. Pieces of MAX_DIM serve the backward's
+    dq and dk passes, whose "keys" are v and dL/do: Dv wide, up to :data:`MAX_VALUE_DIM`."""
+    wgmma = dtype != torch.float32 and overrides.key_pieces and _wgmma_ok(dev, overrides)
+    widest = KEY_PIECE if wgmma else MAX_DIM
+    if dk <= widest:
         return None
-    count = -(-dk // KEY_PIECE)
+    count = -(-dk // widest)
     step = -(-(-(-dk // count)) // 8) * 8
     return [slice(a, min(a + step, dk)) for a in range(0, dk, step)]
 
