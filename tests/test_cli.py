@@ -73,7 +73,7 @@ def test_autotune_problems_from_preset_and_explicit_shapes():
     parser = cli.build_parser()
     args = parser.parse_args(["autotune"])
     probs = cli.autotune.parse_problems(args)
-    assert len(probs) == 9 and Problem(4, 32, 4096, 128, 128, "fp16") in probs
+    assert len(probs) == 11 and Problem(4, 32, 4096, 128, 128, "fp16") in probs
     args = parser.parse_args(["autotune", "--shapes", "mid", "2x4x100x64x32", "--dtype", "fp32"])
     assert cli.autotune.parse_problems(args) == [Problem(4, 32, 4096, 128, 128, "fp32"), Problem(2, 4, 100, 64, 32, "fp32")]
     with pytest.raises(ValueError):

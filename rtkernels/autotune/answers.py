@@ -155,9 +155,9 @@ def store_for_device(device_index: int) -> Optional[Store]:
             return _stores[device_index]
         store = None
         try:
-            from ..jit import cupy_available
+            from ..jit import compiler_available
 
-            if cupy_available():
+            if compiler_available():
                 store = Store(device_fingerprint(device_index))
         except Exception as exc:
             _warn_once("store", f"the autotune store is unavailable ({type(exc).__name__}: {exc}); "

@@ -15,6 +15,8 @@ PRESETS: dict[str, dict[str, tuple[tuple[int, int, int, int, int], tuple[str, ..
         "mid": ((4, 32, 4096, 128, 128), ("bf16", "fp16", "fp32")),
         "long": ((1, 32, 16384, 128, 128), ("bf16", "fp32")),
         "d64": ((8, 16, 2048, 64, 64), ("bf16",)),
+        "d256": ((2, 16, 4096, 256, 256), ("bf16",)),
+        "retnet": ((2, 8, 4096, 256, 512), ("bf16",)),  # RetNet's heads: Dv = 2 Dk
         "huge": ((1, 8, 1048576, 128, 128), ("bf16",)),
     },
     "quick": {

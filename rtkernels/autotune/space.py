@@ -85,18 +85,23 @@ class Space:
     such configs are pruned before anything is compiled.
     ``open_params``: parameters whose value may be any positive integer (the default may pick one
     the list does not hold, e.g. a segment count); the others take only the listed values.
+    ``optional_params``: parameters added to the space after stores were written, which a stored
+    config may lack; the method's adapter reads a missing one as the choice made before it was
+    tuned (so an older store keeps working unchanged instead of being dropped).
     """
 
     params: Mapping[str, tuple]
     default: Callable[[Problem, Limits], dict]
     check: Callable[[Problem, dict, Limits], Optional[str]] = field(default=_no_check)
     open_params: tuple[str, ...] = ()
+    optional_params: tuple[str, ...] = ()
 
     def invalid(self, config: Any) -> Optional[str]:
         """Why ``config`` (e.g. read from a store file) is not a config of this space, or None:
-        exactly the space's parameters, each value of its parameter's type and among its values
-        (a positive integer for :attr:`open_params`)."""
-        if not isinstance(config, Mapping) or set(config) != set(self.params):
+        the space's parameters (:attr:`optional_params` may be missing), each value of its
+        parameter's type and among its values (a positive integer for :attr:`open_params`)."""
+        required = set(self.params) - set(self.optional_params)
+        if not isinstance(config, Mapping) or not required <= set(config) <= set(self.params):
             return f"config {config!r}: expected the keys {sorted(self.params)}"
         for key, value in config.items():
             allowed = self.params[key]

@@ -17,8 +17,9 @@ Robustness:
 * A file that is not UTF-8, not valid JSON, or not this format, gives one warning, is ignored,
   and is rewritten at the next save. An entry whose method or configs the library does not know
   (a hand edit, an older version) is dropped with a warning when it is looked up
-  (:mod:`.answers`), and the call uses the heuristics. A file recorded for another fingerprint (another GPU, another
-  source hash, ...) is not used.
+  (:mod:`.answers`), and the call uses the heuristics; a config that lacks only parameters its
+  space added later (``Space.optional_params``) is used as it is. A file recorded for another
+  fingerprint (another GPU, another source hash, ...) is not used.
 * When the directory cannot be written, the store warns once and keeps its results in memory
   for the process.
 """

@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=list(PRESETS), default="standard",
                         help="named set of shapes and dtypes (default: standard, the forward shapes of docs/benchmark.md)")
     parser.add_argument("--shapes", nargs="+", metavar="SHAPE",
-                        help="shapes of the preset by name (standard: small mid long d64 huge) or explicit "
+                        help="shapes of the preset by name (standard: small mid long d64 d256 retnet huge) or explicit "
                              "BxHxNxD / BxHxNxDkxDv (default: all of the preset)")
     parser.add_argument("--dtype", "--dtypes", dest="dtype", nargs="+", choices=("bf16", "fp16", "fp32"),
                         help="dtypes (default: those each preset shape lists; bf16 for explicit shapes)")

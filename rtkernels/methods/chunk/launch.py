@@ -9,15 +9,43 @@ import torch
 
 from ...autotune.answers import plan_state, tuned_config
 from ...autotune.keys import dtype_name
-from ...autotune.space import Limits, Problem
+from ...autotune.space import Config, Limits, Problem
 from ...decay import LogDecay
 from ...jit import get_function
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
-from .plan import (CHUNK_KERNEL, MODE_FOLD, MODE_FUSED, MODE_STATES, SEG_SCAN_SOURCE, STATES_SOURCE, _sm_count,
-                   _smem_limit, aligned, current_overrides, key_pieces, plan_launch, states_config, states_name,
-                   states_smem_bytes, tuned_launch)
+from .plan import (CHUNK_KERNEL, MODE_FOLD, MODE_FUSED, MODE_STATES, SEG_SCAN_SOURCE, STATES_SOURCE, Launch,
+                   _sm_count, _smem_limit, aligned, current_overrides, key_pieces, plan_launch, states_config,
+                   states_name, states_smem_bytes, tuned_launch)
 
-__all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward"]
+__all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "call_pieces"]
+
+
+def pass_launch(dtype: torch.dtype, b: int, h: int, n: int, dk: int, dv: int, dev: int, vec: bool, exact: bool,
+                tuned: Optional[Config] = None) -> Launch:
+    """The :class:`~.plan.Launch` of one pass over ``dk`` key columns on device ``dev``: the tuned
+    config ``tuned`` (a key piece's: the config of the call it belongs to), else the store's
+    config for this pass's shape, else the heuristic (:func:`.plan.plan_launch`); overrides that
+    steer the plan win over either config."""
+    over = current_overrides()
+    if not over.steers_plan:
+        tuned = tuned or tuned_config("chunk", dev, dtype, b * h, n, dk, dv)  # None: no store entry
+        if tuned:
+            limits = Limits(sms=_sm_count(dev), max_smem=_smem_limit(dev))
+            return tuned_launch(tuned, Problem(b, h, n, dk, dv, dtype_name(dtype)), limits, vec=vec, exact=exact)
+    return plan_launch(dtype, dk, dv, vec, b * h, n, dev, over, exact=exact)
+
+
+def call_pieces(dtype: torch.dtype, bh: int, n: int, dk: int, dv: int, dev: int
+                ) -> tuple[Optional[list[slice]], Optional[Config]]:
+    """How a call of ``[B*H = bh, N, Dk]`` keys splits its key columns (:func:`.plan.key_pieces`):
+    the pieces (None: one pass) and the config every piece runs: the store's config of the whole
+    call where it chose key pieces, else None (each pass looks up its own shape, as before key
+    pieces were tuned)."""
+    over = current_overrides()
+    tuned = None if over.steers_plan else tuned_config("chunk", dev, dtype, bh, n, dk, dv)
+    split = None if tuned is None else dict(tuned).get("key_pieces")  # None: stored before it was tuned
+    pieces = key_pieces(dtype, dk, dev, over, split)
+    return pieces, tuned if pieces is not None and split else None
 
 
 class ChunkLaunch:
@@ -29,13 +57,16 @@ class ChunkLaunch:
     layout: only ``data_ptr()`` is read) and returns the final state when it was planned, else None.
     The split-sequence strategy allocates its ``[segments, B*H, Dk, Dv]`` fp32 state buffer per call
     (two with the fused kernel's states-only mode: fp32 inputs, or ``Overrides.dedicated_states`` False).
+    ``tuned``: the config of a key piece's whole call (:func:`call_pieces`); None: :func:`pass_launch`
+    looks one up.
     """
 
     __slots__ = ("fused", "states", "scan", "device", "log_decay", "decay_ptr", "nseg", "state_shape", "need_state",
                  "offsets")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
-                 out: torch.Tensor, need_state: bool, reverse: bool = False, fp32_precision: str = "exact"):
+                 out: torch.Tensor, need_state: bool, reverse: bool = False, fp32_precision: str = "exact",
+                 tuned: Optional[Config] = None):
         b, h, n, dk = q.shape
         dv = v.shape[-1]
         vec = aligned(q, reverse) and aligned(k, reverse) and aligned(v, reverse)
@@ -45,12 +76,7 @@ class ChunkLaunch:
         bh = b * h
         exact = fp32_precision != "tf32"  # the float32 kernel's mode (16-bit inputs ignore it)
         over = current_overrides()
-        tuned = tuned_config("chunk", dev, q.dtype, bh, n, dk, dv)  # None: no store entry
-        if tuned and not over.steers_plan:
-            limits = Limits(sms=_sm_count(dev), max_smem=_smem_limit(dev))
-            lp = tuned_launch(tuned, Problem(b, h, n, dk, dv, dtype_name(q.dtype)), limits, vec=vec, exact=exact)
-        else:
-            lp = plan_launch(q.dtype, dk, dv, vec, bh, n, dev, over, exact=exact)
+        lp = pass_launch(q.dtype, b, h, n, dk, dv, dev, vec, exact, tuned)
         name, bv, nseg, smem, threads, opts = lp.name, lp.bv, lp.segments, lp.smem, lp.threads, lp.options
         seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
         self.nseg = nseg = -(-n // seg_len)
@@ -122,15 +148,17 @@ class KeyPiecesLaunch:
     :class:`ChunkLaunch` per piece of key columns, the first writing ``out``, the others a
     contiguous temporary each that is then added to it (one more rounding of a 16-bit output); the
     final state is the pieces' states stacked along Dk, the initial state split the same way.
-    Called like :class:`ChunkLaunch`. Extra work: the pieces read v and write an output each."""
+    ``tuned``: the config every piece runs (:func:`call_pieces`). Called like :class:`ChunkLaunch`.
+    Extra work: the pieces read v and write an output each."""
 
     __slots__ = ("parts", "pieces", "need_state")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
-                 out: torch.Tensor, need_state: bool, reverse: bool, fp32_precision: str, pieces: list[slice]):
+                 out: torch.Tensor, need_state: bool, reverse: bool, fp32_precision: str, pieces: list[slice],
+                 tuned: Optional[Config] = None):
         self.pieces, self.need_state = pieces, need_state
         self.parts = [ChunkLaunch(q[..., p], k[..., p], v, log_decay, scale, out if i == 0 else _piece_out(out),
-                                  need_state, reverse, fp32_precision) for i, p in enumerate(pieces)]
+                                  need_state, reverse, fp32_precision, tuned) for i, p in enumerate(pieces)]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None,
@@ -151,18 +179,19 @@ def _piece_out(out: torch.Tensor) -> torch.Tensor:
 
 def _launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
               out: torch.Tensor, need_state: bool, reverse: bool, fp32_precision: str):
-    pieces = key_pieces(q.dtype, q.shape[-1], q.device.index, current_overrides())
+    b, h, n, dk = q.shape
+    pieces, tuned = call_pieces(q.dtype, b * h, n, dk, v.shape[-1], q.device.index)
     if pieces is None:
         return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision=fp32_precision)
-    return KeyPiecesLaunch(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision, pieces)
+    return KeyPiecesLaunch(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision, pieces, tuned)
 
 
 def kernel_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
                    out: torch.Tensor, need_state: bool, fp32_precision: str = "exact") -> ChunkLaunch:
     """Plan the kernel call for ``[B, H, N, D]`` views with unit stride along D (see
-    :class:`ChunkLaunch`; :class:`KeyPiecesLaunch` where Dk is split): the autotune
-    store's config for the shape bucket, else :func:`.plan.plan_launch`; ``fp32_precision``: the
-    float32 kernel's mode."""
+    :class:`ChunkLaunch`; :class:`KeyPiecesLaunch` where Dk is split, as the tuned config or the
+    heuristic chooses): the autotune store's config for the shape bucket, else
+    :func:`.plan.plan_launch`; ``fp32_precision``: the float32 kernel's mode."""
     return _launcher(q, k, v, log_decay, scale, out, need_state, False, fp32_precision)
 
 

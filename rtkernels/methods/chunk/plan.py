@@ -245,19 +245,22 @@ class Overrides:
     split-sequence strategy of 16-bit inputs, the states kernel ``rtk_chunk_states`` plus a fused
     pass folding its slots (True), or the fused kernel's states-only mode, ``rtk_chunk_seg_scan``
     and the fused pass (False; float32 always takes the latter). ``key_pieces``: 16-bit inputs with
-    Dk > :data:`KEY_PIECE` on the wgmma kernel as pieces of key columns (True, the default where
-    wgmma runs), or the Dk-256 mma.sync kernel (False)."""
+    Dk > :data:`KEY_PIECE` on the wgmma kernel as pieces of key columns (True, where wgmma runs),
+    or the Dk-256 mma.sync kernel in one pass (False); None: the tuned config, else pieces where
+    wgmma runs."""
 
     segments: Optional[int] = None
     wgmma: Optional[bool] = None
     bv: Optional[int] = None
     dedicated_states: bool = True
-    key_pieces: bool = True
+    key_pieces: Optional[bool] = None
 
     @property
     def steers_plan(self) -> bool:
-        """Whether the plan ignores the tuned config (a segment count, kernel or width is forced)."""
-        return self.segments is not None or self.wgmma is not None or self.bv is not None
+        """Whether the plan ignores the tuned config (a segment count, kernel, width or key split
+        is forced)."""
+        return self.segments is not None or self.wgmma is not None or self.bv is not None or \
+            self.key_pieces is not None
 
 
 #: The :class:`Overrides` in force; :func:`override` sets it for a block (tests may also replace
@@ -287,23 +290,42 @@ def override(**changes) -> Iterator[Overrides]:
 KEY_PIECE = 128
 
 
-def key_pieces(dtype: torch.dtype, dk: int, dev: int, overrides: Overrides) -> Optional[list[slice]]:
+def key_pieces(dtype: torch.dtype, dk: int, dev: int, overrides: Overrides,
+               tuned: Optional[bool] = None) -> Optional[list[slice]]:
     """The key columns in equal pieces, each a multiple of 8 (16-byte aligned slices) but the last,
-    of at most :data:`KEY_PIECE` for 16-bit inputs where the wgmma kernel runs (unless
-    ``overrides.key_pieces`` is off), else of at most :data:`MAX_DIM`; None where Dk fits one piece.
+    of at most :data:`KEY_PIECE` for 16-bit inputs on the wgmma kernel, else of at most
+    :data:`MAX_DIM`; None where Dk fits one piece. The wgmma pieces are chosen by
+    ``overrides.key_pieces`` where set (and wgmma runs), else by ``tuned`` (the stored winner's
+    ``key_pieces``) where known, else wherever the wgmma kernel runs.
 
     Why: the scores q_i . k_j and the state's rows split over key columns, so the operator is the
     sum of the operator on each piece (and the final state the pieces' states stacked). On an H100
     two wgmma passes of Dk 128 beat one pass of the Dk-256 mma.sync kernel, which fits one CTA per
     SM and forms q k^T again for each 32-column value tile. Pieces of MAX_DIM serve the backward's
     dq and dk passes, whose "keys" are v and dL/do: Dv wide, up to :data:`MAX_VALUE_DIM`."""
-    wgmma = dtype != torch.float32 and overrides.key_pieces and _wgmma_ok(dev, overrides)
-    widest = KEY_PIECE if wgmma else MAX_DIM
+    if dtype == torch.float32:
+        wgmma = False
+    elif tuned is not None and overrides.key_pieces is None:
+        wgmma = tuned  # the stored winner was timed on this GPU, as a tuned wgmma config is
+    else:
+        wgmma = overrides.key_pieces is not False and _wgmma_ok(dev, overrides)
+    return _split_keys(dk, KEY_PIECE if wgmma else MAX_DIM)
+
+
+def _split_keys(dk: int, widest: int) -> Optional[list[slice]]:
+    """Dk key columns in equal pieces of at most ``widest``, each a multiple of 8 but the last
+    (:func:`key_pieces`); None where Dk fits one piece."""
     if dk <= widest:
         return None
     count = -(-dk // widest)
     step = -(-(-(-dk // count)) // 8) * 8
     return [slice(a, min(a + step, dk)) for a in range(0, dk, step)]
+
+
+def _piece_problem(p: Problem) -> Problem:
+    """``p`` as its widest key piece on the wgmma kernel (what a key-pieces config runs per piece)."""
+    pieces = _split_keys(p.dk, KEY_PIECE)
+    return p if pieces is None else dataclasses.replace(p, dk=pieces[0].stop)
 
 
 #: The last field of the chunk kernels' parameters (RTK_MODE_* in the kernels).
@@ -390,25 +412,35 @@ def plan_launch(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: int
 
 
 def _tune_default(p: Problem, limits: Limits) -> dict:
-    """The heuristic (:func:`plan_launch`'s choices) as a tuning config."""
+    """The heuristic (:func:`key_pieces` and :func:`plan_launch`'s choices) as a tuning config:
+    16-bit Dk > :data:`KEY_PIECE` on compute capability 9.0 as key pieces, each planned as a pass
+    of its width."""
     dt = p.torch_dtype
+    if dt != torch.float32 and limits.cc == (9, 0) and p.dk > KEY_PIECE:
+        return {**_tune_default(_piece_problem(p), limits), "key_pieces": True}
     wg = dt != torch.float32 and limits.cc == (9, 0) and p.dk <= 128
     bv = value_tile(p.dv, p.bh, p.n, limits.sms) if wg else _default_bv(dt, p.dk, p.dv, limits.max_smem)
     nseg = segments_for(p.bh * -(-p.dv // bv), p.n, limits.sms, ctas_per_sm(dt, p.dk, bv, wg, limits.max_smem))
     nseg = -(-p.n // (-(-p.n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL))
-    return {"wgmma": wg, "bv": bv, "segments": nseg}
+    return {"key_pieces": False, "wgmma": wg, "bv": bv, "segments": nseg}
 
 
 def _tune_check(p: Problem, config: dict, limits: Limits) -> Optional[str]:
-    kmax = _kmax(p.dk)
     f32 = p.torch_dtype == torch.float32
     wg, bv, nseg = config.get("wgmma", False), config["bv"], config["segments"]
     if wg and f32:
         return "the fp32 kernel (TF32 mma.sync) has no wgmma variant"
-    if wg and (kmax > 128 or bv < 64 or limits.cc != (9, 0)):
-        return "the wgmma kernel takes Dk <= 128 and BV 64 or 128, on compute capability 9.0"
     if not wg and bv > 64:
         return "the mma.sync kernel takes BV 32 or 64"
+    if config.get("key_pieces"):  # missing (stored before it was tuned): checked as the one pass it described
+        if p.dk <= KEY_PIECE:
+            return f"Dk <= {KEY_PIECE} runs in one pass"
+        if f32 or not wg:
+            return "key pieces run the wgmma kernel (the mma.sync kernel takes Dk 256 in one pass)"
+        p = _piece_problem(p)  # the rest holds for each piece (the first is the widest)
+    kmax = _kmax(p.dk)
+    if wg and (kmax > 128 or bv < 64 or limits.cc != (9, 0)):
+        return "the wgmma kernel takes Dk <= 128 and BV 64 or 128, on compute capability 9.0"
     if kmax == 256 and bv > 32:
         return "KMAX 256 with BV 64 needs more registers than a thread has"
     if bv > 32 and p.dv <= 32:
@@ -424,13 +456,17 @@ def _tune_check(p: Problem, config: dict, limits: Limits) -> Optional[str]:
     return None
 
 
-#: The autotuner's space (rtkernels.autotune): the wgmma kernel or the mma.sync one, the tile width
-#: BV and the number of sequence segments; KMAX follows Dk, VEC the operands' alignment, MINB the grid.
-#: float32 problems get the part of it their kernel runs (no wgmma, BV 32 or 64; the stages follow
-#: the shared memory), the rest is pruned with a reason by the check.
-TUNE_SPACE = Space(params={"wgmma": (False, True), "bv": (32, 64, 128),
+#: The autotuner's space (rtkernels.autotune): for 16-bit Dk > KEY_PIECE on Hopper, key pieces on
+#: the wgmma kernel or the Dk-256 kernel in one pass (``key_pieces``; the other parameters then
+#: apply to each piece); the wgmma kernel or the mma.sync one, the tile width BV and the number of
+#: sequence segments; KMAX follows Dk, VEC the operands' alignment, MINB the grid. float32 problems
+#: get the part of it their kernel runs (one pass, no wgmma, BV 32 or 64; the stages follow the
+#: shared memory), the rest is pruned with a reason by the check. A stored config without
+#: ``key_pieces`` (written before it was tuned) keeps the plan's own choice of pieces.
+TUNE_SPACE = Space(params={"key_pieces": (False, True), "wgmma": (False, True), "bv": (32, 64, 128),
                            "segments": (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)},
-                   default=_tune_default, check=_tune_check, open_params=("segments",))
+                   default=_tune_default, check=_tune_check, open_params=("segments",),
+                   optional_params=("key_pieces",))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -439,9 +475,13 @@ def tuned_launch(config: Config, problem: Problem, limits: Limits, *, vec: bool 
     """The autotuner's adapter (every kernel method has one of this signature): a config of
     :data:`TUNE_SPACE` (sorted ``(name, value)`` pairs) for ``problem`` on a GPU of ``limits`` ->
     its :class:`Launch`. ``vec``: every operand row 16-byte aligned; ``exact``: the float32
-    kernel's mode (its stages follow ``limits.max_smem``)."""
+    kernel's mode (its stages follow ``limits.max_smem``). A key-pieces config of a 16-bit
+    ``problem`` wider than :data:`KEY_PIECE` gives the launch of its first (widest) piece; the
+    call plans each piece as a problem of its own width (:func:`key_pieces`)."""
     c = dict(config)
     wg, bv, nseg = bool(c.get("wgmma", False)), c["bv"], c["segments"]
+    if c.get("key_pieces") and problem.dtype != "fp32":
+        problem = _piece_problem(problem)
     dv = problem.dv
     return _launch_of(kernel_config(problem.torch_dtype, problem.dk, dv, vec, problem.bh * -(-dv // bv) * nseg,
                                     limits.sms, wg, bv, exact, limits.max_smem), nseg)
