@@ -15,6 +15,7 @@ from .decay import KIND_FACTOR, KIND_RATE, LogDecay
 from . import call_cache
 from . import varlen as _varlen
 from .methods import METHODS, auto_method, run_method
+from .jit.arrays import as_gpuarray, is_gpuarray
 from .jit.dtypes import compute_dtype
 
 __all__ = ["causal_linear_attention", "LAYOUTS", "METHOD_NAMES", "DTYPES"]
@@ -45,14 +46,16 @@ def _is_number(x: Any) -> bool:
 
 
 def _to_torch(x: Any, name: str) -> tuple[torch.Tensor, str]:
-    """(tensor, kind) with kind "torch" or "cupy"; TypeError for anything else."""
+    """(tensor, kind) with kind "torch", "pycuda" (a PyCUDA GPUArray) or "cupy" (any other CUDA
+    array); TypeError for anything else."""
     if isinstance(x, torch.Tensor):
         return x, "torch"
     if hasattr(x, "__cuda_array_interface__"):
+        kind = "pycuda" if is_gpuarray(x) else "cupy"
         try:
-            return torch.from_dlpack(x), "cupy"
-        except Exception:  # an array type without DLPack support
-            return torch.as_tensor(x, device="cuda"), "cupy"
+            return torch.from_dlpack(x), kind
+        except Exception:  # an array type without DLPack support (GPUArray): its interface, no copy
+            return torch.as_tensor(x, device="cuda"), kind
     raise TypeError(f"{name} must be a torch.Tensor or a CUDA array (an object with "
                     f"__cuda_array_interface__, e.g. a CuPy array), got {type(x).__name__}")
 
@@ -262,12 +265,20 @@ def _check_call_options(scale: Any, method: Any, return_state: Any) -> tuple[flo
 
 def _results(out: torch.Tensor, state: Optional[torch.Tensor], return_state: bool, kind: str) -> Any:
     """The call's return value: ``out`` or ``(out, state)``, as CuPy arrays (DLPack, no copy) when
-    the inputs were CuPy arrays (which carry no gradient: detached)."""
+    the inputs were CuPy arrays, as PyCUDA GPUArrays over the tensors' memory (no copy) when they
+    were GPUArrays. Neither carries a gradient: a result with autograd history is a TypeError there,
+    never a silent detach."""
+    if kind != "torch" and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (out, state)):
+        raise TypeError(f"a tensor argument requires grad, but q, k and v are CUDA arrays ({kind}) and the output "
+                        f"is one too, which carries no gradient; pass torch tensors for q, k and v, or detach it")
     if kind == "cupy":
         import cupy
 
         out = cupy.from_dlpack(out.detach())
         state = None if state is None else cupy.from_dlpack(state.detach())
+    elif kind == "pycuda":
+        out = as_gpuarray(out)
+        state = None if state is None else as_gpuarray(state)
     return (out, state) if return_state else out
 
 

@@ -118,8 +118,9 @@ def no_gpu_reason() -> Optional[str]:
             return "torch sees no CUDA GPU" + ("" if torch.version.cuda else " (this torch is a CPU-only build)")
     except Exception as exc:
         return f"torch cannot query CUDA ({type(exc).__name__})"
-    from .jit import cupy_available
+    from .jit import compiler_available
 
-    if not cupy_available():
-        return "CuPy with a CUDA driver is not available (pip install 'rtkernels[cuda12]' or 'rtkernels[cuda13]')"
+    if not compiler_available():
+        return ("no kernel compiler backend: CuPy or PyCUDA with a CUDA driver (pip install 'rtkernels[cuda12]', "
+                "'rtkernels[cuda13]' or 'rtkernels[pycuda]')")
     return None

@@ -24,15 +24,15 @@ def pytest_configure(config):
 
 
 def _gpu_ready() -> bool:
-    from rtkernels.jit import cupy_available
+    from rtkernels.jit import compiler_available
 
-    return torch.cuda.is_available() and cupy_available()
+    return torch.cuda.is_available() and compiler_available()
 
 
 def pytest_collection_modifyitems(config, items):
     if _gpu_ready():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy or PyCUDA (a kernel compiler backend)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

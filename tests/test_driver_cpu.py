@@ -42,3 +42,39 @@ def test_a_thread_without_a_context_gets_torchs_and_the_launch_is_retried(monkey
     statuses[:] = [driver.INVALID_CONTEXT, 700]
     with pytest.raises(driver.CudaDriverError, match=r"\(700\)"):
         bound(10, 20)
+
+
+def test_a_binding_that_raises_is_read_as_its_status(monkeypatch):
+    """CuPy's compiled launch binding (the default where cupy_backends imports) raises
+    :data:`driver.LaunchError` carrying the driver's status instead of returning it: the same
+    retry on CUDA_ERROR_INVALID_CONTEXT, the same CudaDriverError for anything else."""
+    import threading
+
+    from rtkernels.jit import jit
+
+    class Raised(Exception):
+        def __init__(self, status):
+            super().__init__(status)
+            self.status = status
+
+    statuses, made = [driver.INVALID_CONTEXT, None], []
+
+    def fake_launch(*args):
+        status = statuses.pop(0)
+        if status:
+            raise Raised(status)
+        return status  # None: launched
+
+    monkeypatch.setattr(driver, "LaunchError", Raised)
+    k = jit.Kernel.__new__(jit.Kernel)
+    k._ptr, k.device_index, k._launch_kernel = 1, 0, fake_launch
+    k._layouts, k._lock = {}, threading.Lock()
+    monkeypatch.setattr(jit, "_raw_stream", lambda dev: 0)
+    monkeypatch.setattr(driver, "make_primary_current", lambda dev: made.append(dev))
+    k.launch((1, 1, 1), (32, 1, 1), (0, 1, 2.0), 0, 0, 2)
+    assert made == [0] and statuses == []
+    statuses[:] = [719]
+    with pytest.raises(driver.CudaDriverError, match=r"\(719\)"):
+        k.launch((1, 1, 1), (32, 1, 1), (0, 1, 2.0), 0, 0, 2)
+    statuses[:] = [None, 700]
+    assert driver.launch_status(fake_launch) == 0 and driver.launch_status(fake_launch) == 700

@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     import rtkernels
     from rtkernels import METHODS, causal_linear_attention
     from rtkernels.methods import auto_method
-    from rtkernels.jit import cupy_available
+    from rtkernels.jit import compiler_available
 
     from ..env import cupy_version, nvrtc_version_text
 
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     b, h, n, dk, dv = args.shape or DEFAULT_SHAPES[kind]
     scale = dk ** -0.5
 
-    kernels = cupy_available()
+    kernels = compiler_available()
     if kernels and kind == "cuda":
         kernel_note = "yes"
     elif kernels:

@@ -20,7 +20,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import rtkernels
-    from ..jit import cupy_available, list_sources, source_dir, sources_hash
+    from ..jit import backend_name, compiler_available, list_sources, source_dir, sources_hash
+    from ..jit.backend import ENV_BACKEND, selection
 
     def line(key: str, value: str) -> None:
         print(f"{key:<19}{value}")
@@ -45,11 +46,11 @@ def run(args: argparse.Namespace) -> int:
     cv = cupy_version()
     line("CuPy", cv or "not installed (pip install 'rtkernels[cuda12]' or 'rtkernels[cuda13]')")
     line("NVRTC", nvrtc_version_text())
-    if cupy_available():
-        line("CUDA kernels", "available")
+    if compiler_available():
+        line("CUDA kernels", f"available, compiled by the {backend_name()} backend ({selection().reason})")
     else:
-        line("CUDA kernels", "not available: " + ("CuPy sees no CUDA driver or GPU" if cv
-                                                  else "CuPy is not installed") + " (torch paths only)")
+        why = selection().reason if backend_name() is None else "torch sees no CUDA GPU"
+        line("CUDA kernels", f"not available: {why} (torch paths only; {ENV_BACKEND} picks cupy or pycuda)")
 
     try:
         src = source_dir()
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     files = sorted(sdir.glob("*.json")) if sdir.is_dir() else []
     line("autotune store", f"{sdir} ({origin}; {writable(sdir)}; {len(files)} results file(s))")
     line("tune on first use", f"{'on' if autotune_on_miss() else 'off'} ({ENV_AUTOTUNE}=1 turns it on)")
-    if not gpus or not cupy_available():
+    if not gpus or not compiler_available():
         line("tuned", "no CUDA GPU with CuPy here: nothing to look up" + (
             f" (files for other devices: {', '.join(f.name for f in files)})" if files else ""))
         return 0

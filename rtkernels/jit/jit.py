@@ -1,18 +1,20 @@
 """Just-in-time compilation and launching of rtkernels' kernels on torch tensors.
 
-Kernels are compiled at first use with NVRTC (:func:`~rtkernels.jit.compiler.compile_offline`,
-through CuPy's binding) for the device of the tensors they run on, kept on disk by
+Kernels are compiled at first use for the device of the tensors they run on, by the compiler
+backend of :mod:`rtkernels.jit.backend`: NVRTC through CuPy's binding
+(:func:`~rtkernels.jit.compiler.compile_offline`), or nvcc through PyCUDA
+(:func:`~rtkernels.jit.compiler_nvcc.compile_nvcc`). They are kept on disk by
 :mod:`rtkernels.jit.kernel_cache`, loaded with the CUDA driver (:mod:`rtkernels.jit.driver`:
 ctypes on libcuda), memoised per (device, source, template
 instance, options), and launched on torch's current stream of that device. Pointers are passed as
 Python ints (``tensor.data_ptr()``), so a launch wraps no tensor and copies nothing. A process whose
-kernels are all in the disk cache never imports CuPy or loads NVRTC.
+kernels are all in the disk cache never imports CuPy or loads NVRTC (the PyCUDA backend runs
+``nvcc --version`` once, for the cache key).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import struct
 import threading
 import time
@@ -20,12 +22,13 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from . import driver, kernel_cache
+from . import backend, driver, kernel_cache
+from .backend import backend_name, compiler_available
 from .compiler import BASE_OPTIONS
 from .sources import load_source
 
-__all__ = ["cupy_available", "kernels_available", "get_function", "launch", "Kernel", "BoundLaunch",
-           "compile_log"]
+__all__ = ["cupy_available", "compiler_available", "backend_name", "kernels_available", "get_function", "launch",
+           "Kernel", "BoundLaunch", "compile_log"]
 
 _lock = threading.Lock()
 _compile_log: list[dict[str, Any]] = []
@@ -36,20 +39,15 @@ _ARCH_OPTIONS = ("-arch=", "--gpu-architecture=")
 @functools.lru_cache(maxsize=1)
 def cupy_available() -> bool:
     """True when CuPy is installed (its CUDA driver binding imports) and torch sees a CUDA device.
-    CuPy itself is imported only when a kernel has to be compiled."""
-    try:
-        if importlib.util.find_spec("cupy") is None:
-            return False
-        from cupy_backends.cuda.api import driver  # noqa: F401
-
-        return torch.cuda.is_available() and torch.cuda.device_count() > 0
-    except Exception:  # a broken installation: the torch paths run
-        return False
+    CuPy itself is imported only when a kernel has to be compiled. Whether the kernels can run is
+    :func:`compiler_available` (CuPy or PyCUDA, as ``$RTKERNELS_BACKEND`` picks)."""
+    return backend.cupy_problem() is None and backend.torch_sees_gpu()
 
 
 def kernels_available(device: torch.device) -> bool:
-    """True when rtkernels' CUDA kernels can run on ``device``."""
-    return device.type == "cuda" and cupy_available()
+    """True when rtkernels' CUDA kernels can run on ``device``: a CUDA device and a usable compiler
+    backend (:func:`compiler_available`)."""
+    return device.type == "cuda" and compiler_available()
 
 
 def _target(device_index: int, extra_options: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
@@ -65,17 +63,34 @@ def _target(device_index: int, extra_options: tuple[str, ...]) -> tuple[str, tup
 
 def _compile(source: str, name_expression: str, arch: str,
              opts: tuple[str, ...]) -> tuple[kernel_cache.CachedKernel, tuple[int, int]]:
-    """NVRTC: a cubin for ``arch``; PTX for the newest architecture NVRTC knows when it does not know
-    ``arch`` (a GPU newer than the NVRTC: the driver compiles the PTX)."""
-    from .compiler import compile_offline, nvrtc_archs, nvrtc_version
+    """The backend's compiler (NVRTC, or nvcc for PyCUDA): a cubin for ``arch``; PTX for the newest
+    architecture the compiler knows when it does not know ``arch`` (a GPU newer than the compiler:
+    the driver compiles the PTX). Returns the kernel and the compiler's (major, minor)."""
+    if backend_name() == "pycuda":
+        from . import compiler_nvcc as c
 
+        compile_, archs, version = c.compile_nvcc, c.nvcc_archs, c.nvcc_version
+    else:
+        from . import compiler as c
+
+        compile_, archs, version = c.compile_offline, c.nvrtc_archs, c.nvrtc_version
     sm = int("".join(ch for ch in arch.split("_", 1)[1] if ch.isdigit()))
     kind, target = "cubin", arch
-    known = nvrtc_archs()
-    if sm not in known:
+    known = archs()
+    if known and sm not in known:  # () : the compiler cannot list them; try the cubin
         kind, target = "ptx", f"compute_{max((x for x in known if x <= sm), default=min(known))}"
-    prog = compile_offline(source, [name_expression], target, opts)
-    return kernel_cache.CachedKernel(prog.cubin, prog.lowered_names[name_expression], kind), nvrtc_version()
+    prog = compile_(source, [name_expression], target, opts)
+    return kernel_cache.CachedKernel(prog.cubin, prog.lowered_names[name_expression], kind), version()
+
+
+def _cache_tag() -> str:
+    """What the kernel cache key adds for the backend's compiler: nothing for NVRTC (the keys of
+    existing caches stay valid), nvcc's format and version for PyCUDA."""
+    if backend_name() == "pycuda":
+        from .compiler_nvcc import cache_tag
+
+        return cache_tag()
+    return ""
 
 
 def get_function(source: str, name_expression: str, device_index: int,
@@ -85,7 +100,7 @@ def get_function(source: str, name_expression: str, device_index: int,
     Loads it from the kernel cache or compiles it (and caches it), and memoises the function.
     ``dynamic_smem``: bytes of dynamic shared memory the kernel will be launched with; above the
     default 48 KiB the function's limit is raised once here. Raises :class:`KernelCompileError`
-    with NVRTC's log when the source does not compile.
+    with the compiler's log (NVRTC's or nvcc's) when the source does not compile.
     """
     key = (device_index, source, name_expression, extra_options)
     fn = _functions.get(key)
@@ -96,15 +111,17 @@ def get_function(source: str, name_expression: str, device_index: int,
         if fn is None:
             t0 = time.perf_counter()
             arch, opts = _target(device_index, extra_options)
-            ckey = kernel_cache.cache_key(load_source(source), name_expression, (*BASE_OPTIONS, *opts), arch)
+            compiler = "nvcc" if backend_name() == "pycuda" else "nvrtc"
+            ckey = kernel_cache.cache_key(load_source(source), name_expression, (*BASE_OPTIONS, *opts), arch,
+                                          compiler=_cache_tag())
             cached = kernel_cache.load(ckey)
             from_cache = cached is not None
             if cached is None:
-                cached, nvrtc = _compile(source, name_expression, arch, opts)
-                kernel_cache.save(ckey, cached, nvrtc, arch)
+                cached, version = _compile(source, name_expression, arch, opts)
+                kernel_cache.save(ckey, cached, version, arch, compiler=compiler)
             fn = Kernel.load(cached, device_index, dynamic_smem)
             _compile_log.append({"source": source, "name": name_expression, "device": device_index,
-                                 "options": list(extra_options), "from_cache": from_cache,
+                                 "options": list(extra_options), "from_cache": from_cache, "compiler": compiler,
                                  "seconds": time.perf_counter() - t0})
             _functions[key] = fn
     return fn
@@ -112,8 +129,8 @@ def get_function(source: str, name_expression: str, device_index: int,
 
 def compile_log() -> list[dict[str, Any]]:
     """One record per kernel this process has obtained through :func:`get_function`: ``source``,
-    ``name``, ``device``, ``options``, ``from_cache`` and ``seconds`` (wall time of NVRTC's compile
-    and the module load; from the kernel cache only the load)."""
+    ``name``, ``device``, ``options``, ``from_cache``, ``compiler`` (``"nvrtc"`` or ``"nvcc"``) and
+    ``seconds`` (wall time of the compile and the module load; from the kernel cache only the load)."""
     return [dict(r) for r in _compile_log]
 
 
@@ -192,14 +209,25 @@ class Kernel:
                 layout = self._layouts[(len(args), pointers)] = self._layout(args, pointers)
             packer, (buf, _), params_ptr = layout
             packer.pack_into(buf, 0, *args)
-            status = self._launch_kernel(self._ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                                         shared_mem, stream, params_ptr, 0)
-            if status == driver.INVALID_CONTEXT:  # a thread without a current context: make torch's current, retry
-                driver.make_primary_current(device_index)
-                status = self._launch_kernel(self._ptr, grid[0], grid[1], grid[2], block[0], block[1], block[2],
-                                             shared_mem, stream, params_ptr, 0)
-        if status:
-            driver.check(status, "cuLaunchKernel")
+            _launch(self, grid, block, shared_mem, stream, params_ptr, device_index)
+
+
+def _launch(k: "Kernel", g: tuple[int, int, int], b: tuple[int, int, int], shared_mem: int, stream: int,
+            params: int, device_index: int) -> None:
+    """``cuLaunchKernel`` of ``k`` with the parameter array at ``params``; a thread without a current
+    context (e.g. an autograd worker that has made no CUDA call yet) gets torch's primary context
+    made current and the launch retried. Raises :class:`~rtkernels.jit.driver.CudaDriverError`."""
+    try:
+        status = k._launch_kernel(k._ptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem, stream, params, 0)
+    except driver.LaunchError as exc:
+        status = int(exc.status)
+    if not status:  # launched (CuPy's binding returns None, ctypes 0)
+        return
+    if status == driver.INVALID_CONTEXT:
+        driver.make_primary_current(device_index)
+        status = driver.launch_status(k._launch_kernel, k._ptr, g[0], g[1], g[2], b[0], b[1], b[2], shared_mem,
+                                      stream, params, 0)
+    driver.check(status, "cuLaunchKernel")
 
 
 class BoundLaunch:
@@ -230,14 +258,7 @@ class BoundLaunch:
         stream = _raw_stream(self.dev)
         with self._lock:
             self._head.pack_into(self._buf[0], 0, *head)
-            status = k._launch_kernel(k._ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream,
-                                      self._params, 0)
-            if status == driver.INVALID_CONTEXT:  # e.g. an autograd worker thread that has no context yet
-                driver.make_primary_current(self.dev)
-                status = k._launch_kernel(k._ptr, g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem, stream,
-                                          self._params, 0)
-        if status:
-            driver.check(status, "cuLaunchKernel")
+            _launch(k, g, b, self.shared_mem, stream, self._params, self.dev)
 
 
 def launch(fn: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int],
