@@ -18,6 +18,7 @@ from .methods import plan_epoch
 __all__ = ["call_key", "lookup", "remember", "clear", "size", "CachedCall", "GradCall"]
 
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter  # a trainable decay: keyed as the tensor it is
 _MAX = 512
 _calls: dict[tuple, "CachedCall"] = {}
 _NO_KEY = object()
@@ -60,7 +61,7 @@ def _decay_key(x: Any, grad: bool) -> Any:
     tp = type(x)
     if tp is float or tp is int:
         return (tp, x)
-    if tp is not _Tensor:
+    if tp is not _Tensor and tp is not _Parameter:
         return _NO_KEY
     if x.is_cuda:  # read by the kernel where it is: its layout, not its values, shapes the launch
         return _NO_KEY if strict() else ("cuda", x.dtype, x.shape, x.stride(), x.get_device(), grad and x.requires_grad)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from inputs import force_chunk, run_without_host_sync
+from inputs import force_chunk, no_host_sync, run_without_host_sync
 
 import rtkernels
 from rtkernels import call_cache
@@ -109,6 +109,35 @@ def test_cached_call_follows_the_device_tensor(dtype):
     assert call_cache.size() == 1
     d.fill_(2.0)  # invalid: NaN, never the old gamma
     assert rtkernels.causal_linear_attention(q, k, v, d, method="chunk").isnan().all()
+
+
+def test_a_parameter_decay_is_cached_and_follows_optimizer_steps():
+    """A model's decay as an nn.Parameter: one cached plan for inference (no_grad) and one for
+    training, each following the values an in-place optimizer step writes; no host sync."""
+    call_cache.clear()
+    q, k, v = _qkv(2, 3, 300, 64, 64, torch.bfloat16)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    p = torch.nn.Parameter(torch.tensor([0.5, 0.9, 0.99], device="cuda"))
+    opt = torch.optim.SGD([p], lr=1e-4)
+
+    def step():
+        with torch.no_grad():
+            out = rtkernels.causal_linear_attention(q, k, v, p, method="chunk")
+        out2 = rtkernels.causal_linear_attention(*leaves, p, method="chunk")
+        out2.float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out, out2
+
+    step()  # plans both calls
+    assert call_cache.size() == 2
+    before = p.detach().clone()
+    with no_host_sync():
+        out, out2 = step()
+    assert call_cache.size() == 2  # both calls were cache hits
+    assert not torch.equal(p.detach(), before)  # the step moved the decay
+    for o in (out, out2):  # the values of the call's own time: after the first step, before the second
+        assert_close(o, reference(q, k, v, before.cpu())[0], torch.bfloat16, "parameter decay")
 
 
 def test_cached_call_sees_writes_that_bypass_the_version_counter():
