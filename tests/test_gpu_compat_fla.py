@@ -79,13 +79,20 @@ def test_against_fla(name, dtype):
     got = _run(ours, leaves, weights, 0.3)
     # fla gives g_gamma no gradient (a constant there): dg_gamma is checked against fp64 above
     fla = _run(theirs, tuple(t.detach().clone().requires_grad_() for t in leaves), weights, 0.3, allow_unused=True)
-    for what, a, b in zip(NAMES, got, fla):
+    want = _reference(leaves, weights, 0.3)
+    # two libraries' 16-bit roundings (bf16: 8 bits) apart; a difference in meaning is O(1)
+    tol = 5e-2 if dtype == torch.bfloat16 else 2e-2
+    fla_wrong = []
+    for what, a, b, w in zip(NAMES, got, fla, want):
         if b is None:
             continue
         a, b = a.double(), b.double()
         assert a.shape == b.shape, (what, a.shape, b.shape)
-        # two libraries' 16-bit roundings (bf16: 8 bits) apart; a difference in meaning is O(1)
-        tol = 5e-2 if dtype == torch.bfloat16 else 2e-2
+        assert (a - w).norm() <= tol * w.norm(), f"{what}: rtkernels is {(a - w).norm() / w.norm():.3g} from fp64"
+        if (b - w).norm() > tol * w.norm():  # the peer itself is off the fp64 reference: nothing to compare
+            fla_wrong.append(f"{what} {(b - w).norm() / w.norm():.3g}")
+            continue
         assert (a - b).norm() <= tol * b.norm(), f"{what}: rtkernels and fla differ by {(a - b).norm() / b.norm():.3g}"
-    # the final state's layout: fla's default [N, H, K, V] (K before V), as here
-    assert got[1].shape == (B, H, K, V)
+    if fla_wrong:  # seen: fla 0.6.0's bf16 chunk dv on Triton 3.6 / Hopper (fla warns of Triton < 3.7.1 there)
+        pytest.xfail(f"fla's own result is off the fp64 reference (relative error: {', '.join(fla_wrong)}); "
+                     f"rtkernels matches fp64 and fla everywhere else")
