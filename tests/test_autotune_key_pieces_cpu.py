@@ -212,3 +212,17 @@ def test_standard_preset_has_the_large_head_shapes():
     std = presets.PRESETS["standard"]
     assert std["d256"] == ((2, 16, 4096, 256, 256), ("bf16",))
     assert std["retnet"] == ((2, 8, 4096, 256, 512), ("bf16",))
+
+
+def test_value_tile_takes_a_full_wave_of_64_wide_tiles_before_a_split():
+    """The heuristic's BV on a 132-SM GPU: 128 where 128-wide tiles fill 3/4 of the SMs (mid), 64
+    where 64-wide ones do (the key pieces of d256 and RetNet's heads: one wave, no split), 128 with
+    a split sequence where neither does (long), 64 for short sequences (small) and Dv <= 64."""
+    from rtkernels.methods.chunk import plan
+
+    assert plan.value_tile(128, 128, 4096, 132) == 128  # mid
+    assert plan.value_tile(256, 32, 4096, 132) == 64  # d256
+    assert plan.value_tile(512, 16, 4096, 132) == 64  # retnet
+    assert plan.value_tile(128, 32, 16384, 132) == 128  # long
+    assert plan.value_tile(128, 64, 1024, 132) == 64  # small
+    assert plan.value_tile(64, 8, 65536, 132) == 64

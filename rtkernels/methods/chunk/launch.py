@@ -151,21 +151,26 @@ class KeyPiecesLaunch:
     ``tuned``: the config every piece runs (:func:`call_pieces`). Called like :class:`ChunkLaunch`.
     Extra work: the pieces read v and write an output each."""
 
-    __slots__ = ("parts", "pieces", "need_state")
+    __slots__ = ("parts", "pieces", "need_state", "out_size", "out_stride")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
                  out: torch.Tensor, need_state: bool, reverse: bool, fp32_precision: str, pieces: list[slice],
                  tuned: Optional[Config] = None):
         self.pieces, self.need_state = pieces, need_state
+        # the [B, H, N, Dv] view of the output the plan saw: a cached call passes the caller's tensor,
+        # which for layout "bnhd" is [B, N, H, Dv] over the same memory
+        self.out_size, self.out_stride = tuple(out.shape), out.stride()
         self.parts = [ChunkLaunch(q[..., p], k[..., p], v, log_decay, scale, out if i == 0 else _piece_out(out),
                                   need_state, reverse, fp32_precision, tuned) for i, p in enumerate(pieces)]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None,
                  decay_ptr: Optional[int] = None) -> Optional[torch.Tensor]:
+        if out.stride() != self.out_stride or tuple(out.shape) != self.out_size:
+            out = out.as_strided(self.out_size, self.out_stride, out.storage_offset())
         states = []
         for i, (p, part) in enumerate(zip(self.pieces, self.parts)):
-            dst = out if i == 0 else _piece_out(out)
+            dst = out if i == 0 else _piece_out(out)  # contiguous [B, H, N, Dv], as planned
             s0 = None if initial_state is None else initial_state[:, :, p]
             states.append(part(q[..., p], k[..., p], v, dst, s0, decay, decay_ptr))
             if i:
