@@ -359,11 +359,11 @@ def needs_grad(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if not (q.requires_grad or k.requires_grad or v.requires_grad or log_decay.source is not None
             or (initial_state is not None and initial_state.requires_grad)):
         return False
-    if kind == "cupy":
+    if kind != "torch":  # CuPy arrays or PyCUDA GPUArrays
         which = [n for n, t in (("initial_state", initial_state), ("the decay tensor", log_decay.source))
                  if t is not None and t.requires_grad]
-        raise TypeError(f"{' and '.join(which)} requires grad, but q, k and v are CUDA arrays (CuPy) and the "
-                        f"output is a CuPy array, which carries no gradient; pass torch tensors for q, k and v, "
+        raise TypeError(f"{' and '.join(which)} requires grad, but q, k and v are CUDA arrays ({kind}) and the "
+                        f"output is one too, which carries no gradient; pass torch tensors for q, k and v, "
                         f"or detach it")
     return True
 

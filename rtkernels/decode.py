@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from . import call_cache
-from .api import Array, _check_inputs, _check_scale, _check_storage, _fmt_dtype, _log_decay, _to_torch
+from .api import Array, _check_inputs, _check_scale, _check_storage, _fmt_dtype, _log_decay, _results, _to_torch
 from .call_cache import _NO_KEY as NO_KEY, _decay_key as decay_key
 from .decay import LogDecay
 from .jit import BoundLaunch, dtype_code, get_function, kernels_available
@@ -312,8 +312,4 @@ def decode(q: Array, k: Array, v: Array, state: Array, decay: Union[None, float,
                 call_cache.remember(key, launcher, out, v, log_decay.raw is not None)
         else:
             torch_step(qt, kt, vt, out_view, pool, indices, log_decay, scale)
-    if kind == "cupy":
-        import cupy
-
-        return cupy.from_dlpack(out)
-    return out
+    return _results(out, None, False, kind)  # CuPy / PyCUDA arrays in give the same kind out

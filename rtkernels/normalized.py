@@ -187,11 +187,11 @@ def linear_attention(
     normalize, feature, eps = _check_options(normalize, feature, eps)
     scale = _check_scale(scale)
     qt, kt, vt, kind = _check_inputs(q, k, v, layout)  # [B, H, N, D] views; back to the caller's layout
-    if kind == "cupy":
+    if kind != "torch":  # CuPy arrays or PyCUDA GPUArrays
         for name, d in (("decay", decay), ("decay_rate", decay_rate)):
             if isinstance(d, torch.Tensor) and d.requires_grad and torch.is_grad_enabled():
-                raise TypeError(f"{name} requires grad, but q, k and v are CUDA arrays (CuPy) and the output "
-                                f"is a CuPy array, which carries no gradient; pass torch tensors for q, k and v, "
+                raise TypeError(f"{name} requires grad, but q, k and v are CUDA arrays ({kind}) and the output "
+                                f"is one too, which carries no gradient; pass torch tensors for q, k and v, "
                                 f"or detach it")
     if layout == "bnhd":
         qt, kt, vt = (t.transpose(1, 2) for t in (qt, kt, vt))
