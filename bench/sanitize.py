@@ -45,6 +45,10 @@ one barrier each, by threads of warps 4-7. initcheck reports nothing in rtkernel
 reports reads of never-written memory in torch kernels that read the outputs of the wgmma
 kernel (whose rows go to global memory by cp.async.bulk): it does not seem to record those
 writes, and the mma.sync groups, which store rows with plain stores, report nothing.
+
+The synccheck reports were barrier.red (H200, 2026-11-26; bench/profiling/synccheck_probe.cu):
+rtk_chunk_fwd now ORs its flags through barrier.sync and shared memory and reports 0;
+rtk_chunk_fwd_f32 still uses barrier.red (no shared memory to spare at KMAX 256) and is reported.
 """
 
 from __future__ import annotations

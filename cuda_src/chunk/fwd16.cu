@@ -62,7 +62,8 @@ struct rtk_chunk_smem {
   static constexpr int OS = BV + 8, O = S + NCOPY * SCOPY;
   static constexpr int ELEMS = O + (SW ? 2 * C * OS : 0);
   static constexpr int ALIGN = SW ? 1024 : 0;            // slack for aligning the base
-  static constexpr int BYTES = ELEMS * 2 + 32 + ALIGN;  // + fp16 scaling: max|S| of the 4 state warps, 2 slots
+  // + fp16 scaling: max|S| of the 4 state warps, 2 slots; + rtk_cta_sync_or's ring (2 words)
+  static constexpr int BYTES = ELEMS * 2 + 32 + 8 + ALIGN;
   static __device__ __forceinline__ int qk_off(int r, int p) { return SW ? rtk_swz_off(C, r, p) : r * KS + p * 8; }
   static __device__ __forceinline__ int v_off(int r, int p) { return SW ? rtk_swz_off(C, r, p) : r * VS + p * 8; }
   static __device__ __forceinline__ int s_off(int r, int p) { return SW ? rtk_swz_off(KMAX, r, p) : r * VS + p * 8; }
@@ -104,6 +105,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   // own, the output warps after the CTA barrier ending the period before chunk c, and both derive
   // the same power of two 2^e, max|S| * 2^e <= 2^14.
   float* s_red = reinterpret_cast<float*>(smem_raw + L::ELEMS * 2);
+  rtk_u32* or_ring = reinterpret_cast<rtk_u32*>(smem_raw + L::ELEMS * 2 + 32);  // rtk_cta_sync_or
   auto copy_exponent = [&](int slot) -> int {
     float m = 0.f;
     bool fin = true;
@@ -170,8 +172,11 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       // the tiles (cp.async) and the state copy (st.shared) are read by wgmma next: async proxy
       if (WG) rtk_fence_proxy_async();
     }
-    return rtk_cta_sync_or(my_bad);
+    return rtk_cta_sync_or(my_bad, or_ring, (rtk_u32)next);
   };
+
+  if (tid == 0) or_ring[0] = or_ring[1] = 0u;
+  rtk_cta_sync();  // the ring zeroed before either group's first end_period
 
   // The two groups run separate loops (so neither holds the other's registers) and meet at one
   // barrier per chunk (end_period). In the period of chunk c the output warps compute its outputs

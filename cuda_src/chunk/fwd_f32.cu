@@ -169,7 +169,7 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
         }
       }
     }
-    return rtk_cta_sync_or(my_bad);  // (A) tiles and state copy visible
+    return rtk_cta_sync_or_red(my_bad);  // (A) tiles and state copy visible
   };
 
   if (out_warp) {

@@ -55,8 +55,21 @@ __device__ __forceinline__ void rtk_named_sync(int id, int count) {
 }
 // The whole CTA (barrier 0).
 __device__ __forceinline__ void rtk_cta_sync() { asm volatile("barrier.sync 0;" ::: "memory"); }
-// The whole CTA (barrier 0); returns whether `p` holds in any thread.
-__device__ __forceinline__ bool rtk_cta_sync_or(bool p) {
+// The whole CTA (barrier 0); returns whether `p` holds in any thread. Call number `phase` (0, 1,
+// ... in every thread) uses ring[phase % 2] of a two-word shared ring zeroed before the first call:
+// a thread whose `p` holds stores phase + 1 there before the barrier, and every thread compares after
+// it (the word was last read in call phase - 2, before call phase - 1's barrier). Not barrier.red:
+// compute-sanitizer's synccheck reports it as divergent when warp groups reach it from different
+// places in the code (a probe on an H200: barrier.sync 0 from two places passes, barrier.red fails).
+__device__ __forceinline__ bool rtk_cta_sync_or(bool p, rtk_u32* ring, rtk_u32 phase) {
+  if (p) ring[phase & 1] = phase + 1;
+  rtk_cta_sync();
+  return ring[phase & 1] == phase + 1;
+}
+
+// The same by barrier.red (no shared memory): for kernels that have no two words to spare
+// (rtk_chunk_fwd_f32 at KMAX 256 fills the 227 KB); synccheck reports it as above.
+__device__ __forceinline__ bool rtk_cta_sync_or_red(bool p) {
   rtk_u32 any;
   asm volatile("{\n .reg .pred in, out;\n setp.ne.u32 in, %1, 0;\n barrier.red.or.pred out, 0, in;\n"
                " selp.u32 %0, 1, 0, out;\n}" : "=r"(any) : "r"((rtk_u32)p) : "memory");

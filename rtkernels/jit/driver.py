@@ -1,11 +1,12 @@
 """The five CUDA driver calls rtkernels makes, through ctypes on the driver library torch loaded.
 
 Module load, function lookup, function attributes and ``cuLaunchKernel``. Going straight to
-``libcuda`` keeps a process whose kernels are all in the kernel cache from importing CuPy: CuPy's
-own driver binding loads the driver through CuPy's package (about 85 ms on an H200 host). Every
-call returns the driver's status; a non-zero status raises :class:`CudaDriverError` with the
-driver's name for it. Where ``libcuda`` cannot be opened this way, CuPy's binding
-(``cupy_backends.cuda.api.driver``) does the same calls.
+``libcuda`` keeps a process whose kernels are all in the kernel cache from importing CuPy itself
+(about 85 ms on an H200 host). Every call returns the driver's status; a non-zero status raises
+:class:`CudaDriverError` with the driver's name for it. Where ``libcuda`` cannot be opened this
+way, CuPy's binding (``cupy_backends.cuda.api.driver``) does the same calls. The launch, the one
+call on the hot path, takes that compiled binding wherever it imports (the CuPy backend's check
+imports it anyway): :func:`launch_kernel`.
 """
 
 from __future__ import annotations

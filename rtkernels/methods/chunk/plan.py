@@ -124,8 +124,8 @@ def smem_bytes(kmax: int, bv: int, wg: bool = False) -> int:
     copies = 1 if kmax == 256 else 2
     if wg:  # 128-byte-swizzled tiles without padding, two output-row buffers (rows padded by 16
         # bytes), + slack to align the base to 1024 bytes
-        return 2 * (2 * (2 * c * kmax + c * bv) + copies * kmax * bv + 2 * c * (bv + 8)) + 32 + 1024
-    return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + copies * kmax * (bv + 8)) + 32
+        return 2 * (2 * (2 * c * kmax + c * bv) + copies * kmax * bv + 2 * c * (bv + 8)) + 32 + 8 + 1024
+    return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + copies * kmax * (bv + 8)) + 32 + 8
 
 
 def f32_threads(exact: bool) -> int:
