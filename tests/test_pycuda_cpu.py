@@ -381,3 +381,21 @@ def test_nvcc_ptx_for_a_gpu_newer_than_the_compiler(fleet_cubin):
 def test_nvcc_version_and_archs():
     assert cn.nvcc_version() >= (11, 0) and 80 in cn.nvcc_archs()
     assert cn.cache_tag().startswith(cn.NVCC_FORMAT + " nvcc ")
+
+
+def test_the_autotune_fingerprint_names_the_compiler_of_the_backend(monkeypatch):
+    """The store file of a GPU is keyed by the compiler of its kernels: NVRTC's version as before
+    with CuPy (existing stores stay valid), "nvcc-X.Y" with PyCUDA (no NVRTC needed there)."""
+    from rtkernels.autotune import keys
+    from rtkernels.jit import kernel_cache
+
+    props = types.SimpleNamespace(name="Fake GPU", major=9, minor=0, multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda dev: props)
+    monkeypatch.setattr(kernel_cache, "recorded_nvrtc", lambda: (12, 8))
+    monkeypatch.setattr(cn, "nvcc_version", lambda: (13, 0))
+    monkeypatch.setattr(backend, "backend_name", lambda: "cupy")
+    with_cupy = keys.device_fingerprint(0)
+    monkeypatch.setattr(backend, "backend_name", lambda: "pycuda")
+    with_pycuda = keys.device_fingerprint(0)
+    assert with_cupy["nvrtc"] == "12.8" and with_pycuda["nvrtc"] == "nvcc-13.0"
+    assert keys.file_stem(with_cupy) != keys.file_stem(with_pycuda)

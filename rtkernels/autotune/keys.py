@@ -26,19 +26,27 @@ FIELDS = ("rtkernels", "sources", "gpu", "capability", "sms", "nvrtc")
 
 
 def device_fingerprint(device_index: int) -> Fingerprint:
-    """The fingerprint of CUDA device ``device_index`` (needs torch with CUDA and CuPy)."""
+    """The fingerprint of CUDA device ``device_index`` (needs torch with CUDA and a compiler
+    backend). Its ``"nvrtc"`` field names the compiler of the kernels: NVRTC's version (``"13.0"``)
+    with the CuPy backend, ``"nvcc-13.0"`` with the PyCUDA one (tuned on other machine code, the
+    two never share a store file; the CuPy form is unchanged, so existing stores stay valid)."""
     import torch
 
     from ..env import VERSION as __version__
     from ..jit import nvrtc_version, sources_hash
+    from ..jit.backend import backend_name
     from ..jit.kernel_cache import recorded_nvrtc
 
     p = torch.cuda.get_device_properties(device_index)
-    # the NVRTC that compiled the cached kernels (no NVRTC load in a warm process), else the one at hand
-    major, minor = recorded_nvrtc() or nvrtc_version()
+    if backend_name() == "pycuda":
+        from ..jit.compiler_nvcc import nvcc_version
+
+        compiler = "nvcc-{}.{}".format(*nvcc_version())
+    else:  # the NVRTC that compiled the cached kernels (no NVRTC load in a warm process), else the one at hand
+        compiler = "{}.{}".format(*(recorded_nvrtc() or nvrtc_version()))
     return {"rtkernels": __version__, "sources": sources_hash(), "gpu": p.name,
             "capability": f"{p.major}.{p.minor}", "sms": int(p.multi_processor_count),
-            "nvrtc": f"{major}.{minor}"}
+            "nvrtc": compiler}
 
 
 def fingerprint_digest(fp: Fingerprint) -> str:
