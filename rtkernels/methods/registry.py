@@ -143,9 +143,9 @@ def _kernels_or_warn(device: torch.device) -> bool:
         return True
     if not _warned_no_cupy:
         _warned_no_cupy = True
-        warnings.warn("rtkernels: CuPy with a CUDA driver is not available, so CUDA tensors run the "
-                      "torch paths; install rtkernels[cuda12] or rtkernels[cuda13] for the kernels",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn("rtkernels: no kernel compiler backend (CuPy, or PyCUDA with nvcc) with a CUDA driver is "
+                      "available, so CUDA tensors run the torch paths; install rtkernels[cuda12] or "
+                      "rtkernels[cuda13] for the kernels", RuntimeWarning, stacklevel=4)
     return False
 
 
