@@ -110,25 +110,23 @@ def launch_kernel() -> Callable[..., Any]:
     CuPy's compiled binding where it imports (``cupy_backends``, without CuPy itself): it costs
     about 1.4 µs less per launch than a ctypes call on an H200 host, and raises
     :data:`LaunchError` instead of returning a status; else ctypes on ``libcuda``, which returns
-    the status. :func:`launch_status` runs either and gives the status."""
+    the status. :func:`launch_status` runs either and gives the status. Imported here, when the
+    first kernel loads, not when rtkernels is imported."""
+    global LaunchError
     try:
-        return _cupy().launchKernel
+        binding = _cupy()
     except ImportError:  # e.g. the PyCUDA backend without CuPy
         lib = _lib()
         if lib is None:
             raise CudaDriverError("no CUDA driver binding: neither libcuda.so.1 nor cupy_backends loads")
         return lib.cuLaunchKernel
+    LaunchError = binding.CUDADriverError
+    return binding.launchKernel
 
 
-def _launch_error() -> type:
-    try:
-        return _cupy().CUDADriverError
-    except ImportError:
-        return CudaDriverError  # never raised by the ctypes launch
-
-
-#: What the launch function of :func:`launch_kernel` raises on failure (its ``status`` is the driver's).
-LaunchError: type = _launch_error()
+#: What the launch function of :func:`launch_kernel` raises on failure (its ``status`` is the
+#: driver's): CuPy's error class once :func:`launch_kernel` has chosen its binding.
+LaunchError: type = CudaDriverError
 
 
 def launch_status(launch: Callable[..., Any], *args: Any) -> int:
