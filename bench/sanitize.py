@@ -47,8 +47,9 @@ kernel (whose rows go to global memory by cp.async.bulk): it does not seem to re
 writes, and the mma.sync groups, which store rows with plain stores, report nothing.
 
 The synccheck reports were barrier.red (H200, 2026-11-26; bench/profiling/synccheck_probe.cu):
-rtk_chunk_fwd now ORs its flags through barrier.sync and shared memory and reports 0;
-rtk_chunk_fwd_f32 still uses barrier.red (no shared memory to spare at KMAX 256) and is reported.
+both forward kernels now OR their flags through barrier.sync and a two-word shared ring
+(rtk_chunk_fwd_f32 keeps its ring in the padding of its state copy: at KMAX 256 its tiles fill
+the 227 KB).
 """
 
 from __future__ import annotations

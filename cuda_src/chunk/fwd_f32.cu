@@ -36,6 +36,9 @@ struct rtk_chunk_f32_smem {
   static constexpr int KS = KMAX + 4;  // row stride of the q and k tiles (floats), 4 mod 32
   static constexpr int VS = BV + 4;    // row stride of the v tile, 4 mod 32
   static constexpr int SS = BV + 8;    // row stride of the fp32 state copy, 8 mod 32
+  // rtk_cta_sync_or's two-word ring lives in the unused padding of the state copy's row 0
+  // (columns BV, BV + 1): at KMAX 256 the tiles fill the 227 KB, with no word to spare elsewhere
+  static constexpr int RING = BV;
   static constexpr int Q = 0, K = Q + C * KS, V = K + C * KS;
   static constexpr int STAGE = V + C * VS;
   static constexpr int S = STAGES * STAGE;  // the state copy, KMAX x SS
@@ -93,6 +96,7 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* const sm = reinterpret_cast<float*>(smem_raw);
   float* const sS = sm + L::S;
+  rtk_u32* const or_ring = reinterpret_cast<rtk_u32*>(sS + L::RING);  // rtk_cta_sync_or
   float4* const sP = reinterpret_cast<float4*>(sm + L::P);  // pieces: [slot][n-tile][lane], 4 floats
 
   RTK_CHUNK_CTA(float, 3);  // k-steps of 8 columns
@@ -136,6 +140,7 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
   };
 
   const int nchunks = (NS + C - 1) / C;
+  if (tid == 0) or_ring[0] = or_ring[1] = 0u;  // before both groups' start barrier
   bool loaded_bad = false;  // without VEC: Inf/NaN among the v values of the last load_chunk
   if (!out_warp) {
     loaded_bad = load_chunk(0, 0);
@@ -169,7 +174,7 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
         }
       }
     }
-    return rtk_cta_sync_or_red(my_bad);  // (A) tiles and state copy visible
+    return rtk_cta_sync_or(my_bad, or_ring, (rtk_u32)chunk);  // (A) tiles and state copy visible
   };
 
   if (out_warp) {

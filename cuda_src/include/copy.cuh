@@ -67,15 +67,6 @@ __device__ __forceinline__ bool rtk_cta_sync_or(bool p, rtk_u32* ring, rtk_u32 p
   return ring[phase & 1] == phase + 1;
 }
 
-// The same by barrier.red (no shared memory): for kernels that have no two words to spare
-// (rtk_chunk_fwd_f32 at KMAX 256 fills the 227 KB); synccheck reports it as above.
-__device__ __forceinline__ bool rtk_cta_sync_or_red(bool p) {
-  rtk_u32 any;
-  asm volatile("{\n .reg .pred in, out;\n setp.ne.u32 in, %1, 0;\n barrier.red.or.pred out, 0, in;\n"
-               " selp.u32 %0, 1, 0, out;\n}" : "=r"(any) : "r"((rtk_u32)p) : "memory");
-  return any != 0;
-}
-
 // Four 8x8 b16 matrices; lane i gives the address of row (i % 8) of matrix (i / 8).
 __device__ __forceinline__ void rtk_ldsm_x4(rtk_u32 (&r)[4], rtk_u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
