@@ -65,7 +65,8 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from .api import Array, _check_inputs, _check_scale, _func_active, _is_number, _results, causal_linear_attention
+from .api import Array, _check_inputs, _check_scale, _is_number, _results, causal_linear_attention
+from . import normalize_op
 
 __all__ = ["linear_attention", "FEATURES"]
 
@@ -88,16 +89,6 @@ def _check_options(normalize: Any, feature: Any, eps: Any) -> tuple[bool, str, f
     if not (math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     return bool(normalize), feature, eps
-
-
-def _rounded(op: Any, *args: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``op(*args)``, computed in the dtype the arguments promote to, rounded once to ``like``'s dtype
-    and contiguous like it: straight into the output (``out=``) where autograd records nothing, else
-    (and under torch.func transforms, which take no ``out=``) through one temporary in the promoted
-    dtype."""
-    if (torch.is_grad_enabled() and any(a.requires_grad for a in args)) or _func_active():
-        return op(*args).to(like.dtype)
-    return op(*args, out=torch.empty_like(like))
 
 
 def _unit_keys(x: torch.Tensor) -> torch.Tensor:
@@ -205,19 +196,16 @@ def linear_attention(
     out = core(qt, kt, vt, scale)  # the caller's tensors as they are; the core checks everything else
     if feature == "identity" and not normalize:
         return _results(out, None, False, kind)
-    cdt = torch.float64 if qt.dtype == torch.float64 else torch.float32
     ones = _unit_keys(qt)
     u = core(ones, ones, vt) if feature == "1+qk" else None
     if not normalize:  # "1+qk": core(q, k, v) + u (torch adds 16-bit tensors in fp32 and rounds once)
         return _results(out + u, None, False, kind)
     z = core(ones, ones, kt)
-    # den_i = scale q_i . z_i (+ G_i): products and sum in cdt (16-bit products are exact there)
-    zero = torch.zeros((1, 1, 1, 1), dtype=cdt, device=qt.device).expand(qt.shape)
-    den = torch.addcmul(zero, qt, z).sum(-1, keepdim=True) * scale
-    if feature == "1+qk":  # G_i = sum_{j<=i} gamma^(i-j): the operator on ones in cdt, [1, H, N, 1] or [1, N, H, 1]
-        ones_c = zero.new_ones((1, 1, 1, 1)).expand(1, *qt.shape[1:3], 1)
-        den = den + core(ones_c, ones_c, ones_c, precision="exact")
-    den = den + eps
-    if feature == "1+qk":  # (core + u) / den = core / den + u / den, in cdt
-        return _results(_rounded(torch.addcdiv, out / den, u, den, like=out), None, False, kind)
-    return _results(_rounded(torch.div, out, den, like=out), None, False, kind)
+    g = None
+    if feature == "1+qk":  # G_i = sum_{j<=i} gamma^(i-j): the operator on ones in fp32 (fp64), [1, H, N, 1] or
+        # [1, N, H, 1]
+        cdt = torch.float64 if qt.dtype == torch.float64 else torch.float32
+        ones_c = torch.ones((1, 1, 1, 1), dtype=cdt, device=qt.device).expand(1, *qt.shape[1:3], 1)
+        g = core(ones_c, ones_c, ones_c, precision="exact")
+    # den = scale q.z (+ G) and o = (num (+ u)) / (den + eps): one fused pass (normalize_op)
+    return _results(normalize_op.normalize(qt, z, out, u, g, scale, eps, layout), None, False, kind)

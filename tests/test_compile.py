@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from rtkernels.decode import instances as decode_instances
+from rtkernels.normalize_op import instances as normalize_instances
 from rtkernels.methods import kernel_instances
 from rtkernels.jit import KernelCompileError, compile_offline, list_sources, load_source, source_dir
 
@@ -16,8 +17,9 @@ ARCHS = ("sm_80", "sm_90a")  # sm_90a: the wgmma instances compile their Hopper 
 
 
 def all_instances() -> dict[str, list[str]]:
-    """Every instance the library can request: the methods' (the registry) and the decode step's."""
-    return {**kernel_instances(), **decode_instances()}
+    """Every instance the library can request: the methods' (the registry), the decode step's and
+    linear_attention's normalization's."""
+    return {**kernel_instances(), **decode_instances(), **normalize_instances()}
 
 
 def test_every_source_has_instances():
