@@ -2,7 +2,9 @@
 loop of tests/test_normalized_cpu.py (computed on the GPU from the same rounded inputs), the
 forward and the gradients (q, k, v and a trainable CUDA decay), with the chunk kernels running the
 core call on the caller's q, k, v and the narrow calls on stride-0 unit rows (z = core(1, 1, k), for
-"1+qk" u = core(1, 1, v) and G in fp32) forward and backward; no host sync.
+"1+qk" u = core(1, 1, v) and G in fp32) forward and backward, and the fused normalization kernels
+(cuda_src/normalize/fwd.cu and bwd.cu) against their fp64 torch reference (both layouts, odd D,
+every kernel dtype), with a check that they ran; no host sync; CUDA-graph replay equal to eager.
 
 The inputs keep the denominator well away from 0: q, k = elu(x) + 1 (positive features, so every
 weight is > 0 and den_i >= s(q_i, k_i) > 0), with gamma 0.9 and 0.99 among the heads (and 1e-6, 1).
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import rtkernels
+from rtkernels import normalize_op
 from rtkernels.methods import METHODS
 from rtkernels.normalized import _unit_keys
 
@@ -33,6 +36,23 @@ SHAPES = [(2, 4, 1, 64, 64, "bhnd"), (1, 4, 257, 128, 37, "bnhd"), (2, 4, 1000, 
           (1, 4, 130, 37, 64, "bnhd")]
 GAMMAS = (0.9, 0.99, 1e-6, 1.0)
 NAMES = ("q", "k", "v", "decay")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts of the fused normalization kernels' launches (forward, backward) during a test."""
+    counts = {"fwd": 0, "bwd": 0}
+    real = {"fwd": normalize_op._launch_forward, "bwd": normalize_op._launch_backward}
+
+    def spy(which):
+        def launch(*args, **kwargs):
+            counts[which] += 1
+            return real[which](*args, **kwargs)
+        return launch
+
+    monkeypatch.setattr(normalize_op, "_launch_forward", spy("fwd"))
+    monkeypatch.setattr(normalize_op, "_launch_backward", spy("bwd"))
+    return counts
 
 
 def _scale(dk: int) -> float:
@@ -115,7 +135,7 @@ def test_forward_matches_fp64(dtype, shape, feature, normalize, method):
 @pytest.mark.parametrize("feature", rtkernels.FEATURES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gradients_match_fp64(dtype, shape, feature):
+def test_gradients_match_fp64(dtype, shape, feature, launches):
     """dq, dk, dv and d(decay) of sum(w * out), normalized, through the chunk kernel's forward and
     backward (the core call and the width-1 calls are within its limits), against autograd through
     the fp64 loop:
@@ -129,6 +149,7 @@ def test_gradients_match_fp64(dtype, shape, feature):
     out = rtkernels.linear_attention(*leaves[:3], leaves[3], scale=_scale(dk), feature=feature, layout=layout,
                                      fp32_precision="exact")
     got = torch.autograd.grad((out.float() * w.float()).sum(), leaves)
+    assert launches == {"fwd": 1, "bwd": 1}, "the fused normalization kernels did not run"
     _, want, mags = _reference(shape, dtype, feature, True, True)
     for name, g, r, m, x in zip(NAMES, got, want, mags, leaves):
         assert g.dtype == x.dtype and g.device == x.device and g.shape == x.shape, name
@@ -140,7 +161,7 @@ def test_gradients_match_fp64(dtype, shape, feature):
 
 
 @pytest.mark.parametrize("feature", rtkernels.FEATURES)
-def test_no_host_sync_forward_and_backward(feature):
+def test_no_host_sync_forward_and_backward(feature, launches):
     """bf16, a trainable CUDA decay: the core calls, the row dots, the division and the backward never
     sync the host."""
     shape = SHAPES[1]
@@ -152,6 +173,7 @@ def test_no_host_sync_forward_and_backward(feature):
         (out.float() * w.float()).sum().backward()
 
     run_without_host_sync(step)  # once outside the check (compiles, plans), once under it
+    assert launches["fwd"] >= 2 and launches["bwd"] >= 2
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in leaves)
 
 
@@ -189,3 +211,109 @@ def test_stride0_ones_in_the_kernel(dtype, layout):
     assert z.dtype == dk.dtype == dtype and z.shape == dk.shape == k.shape
     assert_close(z, z64, dtype, f"z {dtype} {layout}", n=shape[2])
     assert_close(dk, dk64, dtype, f"dk {dtype} {layout}", n=shape[2])
+
+
+# ------------------------------------------------------------------ the fused normalization
+
+#: (B, H, N, Dk, Dv, layout): whole 16-byte chunks (vector path), odd widths (element path), one
+#: token, Dv = 512 (more chunks than a team has lanes).
+OP_SHAPES = [(2, 4, 300, 128, 128, "bhnd"), (1, 3, 257, 37, 21, "bnhd"), (2, 2, 1, 64, 8, "bnhd"),
+             (1, 2, 70, 256, 512, "bhnd")]
+
+
+def _op_operands(shape, dtype, feature, seed=0):
+    """q, z, num, u, g on the GPU in the layout (q, z > 0, G >= 1: den well above 0), a misaligned
+    variant's slices included where the widths allow, plus an incoming gradient."""
+    b, h, n, dk, dv, layout = shape
+    gen = torch.Generator().manual_seed(seed)
+    dims = (lambda d: (b, h, n, d)) if layout == "bhnd" else (lambda d: (b, n, h, d))
+    q, z = (torch.rand(dims(dk), generator=gen, dtype=torch.float64) + 0.05 for _ in range(2))
+    num, u, grad = (torch.randn(dims(dv), generator=gen, dtype=torch.float64) for _ in range(3))
+    g = torch.rand((1, *dims(1)[1:]), generator=gen, dtype=torch.float64) + 1
+    rows = [t.to("cuda", dtype) for t in (q, z, num, u, grad)]
+    return (*rows[:3], rows[3] if feature == "1+qk" else None, g.to("cuda", torch.float32) if feature == "1+qk"
+            else None, rows[4])
+
+
+@pytest.mark.parametrize("feature", rtkernels.FEATURES)
+@pytest.mark.parametrize("shape", OP_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_kernels_match_their_reference(dtype, shape, feature, launches):
+    """The forward and backward kernels against torch_forward / torch_backward in fp64 on the same
+    rounded inputs: o and the gradients within one rounding (plus fp32 sums), den in fp32."""
+    layout = shape[-1]
+    q, z, num, u, g, grad = _op_operands(shape, dtype, feature)
+    scale, eps = 0.3, 1e-6
+    o, den = normalize_op.forward_op(q, z, num, u, g, scale, eps, layout)
+    d64 = [None if t is None else t.double() for t in (q, z, num, u, g)]
+    o64, den64 = normalize_op.torch_forward(*d64, scale, eps, layout)
+    assert o.dtype == dtype and o.is_contiguous() and den.dtype == torch.float32 and den.shape == den64.shape
+    assert_close(den, den64, torch.float32, f"den {dtype} {shape}")
+    assert_close(o, o64, dtype, f"o {dtype} {shape}")
+    res = normalize_op.backward_op(grad, q, z, num, u, den, None, scale, eps, layout, True, True, True)
+    want = normalize_op.torch_backward(grad.double(), *d64[:4], den.double(), None, scale, eps, layout, True, True)
+    assert launches == {"fwd": 1, "bwd": 1}
+    for name, got, ref in zip(("d_num", "dq", "dz", "dden"), res, want):
+        assert got.shape == ref.shape and got.is_contiguous(), name
+        assert_close(got, ref, torch.float32 if name == "dden" else dtype, f"{name} {dtype} {shape}")
+
+
+def test_fused_kernels_on_strided_views(launches):
+    """q as a slice of a wider tensor (row starts not 16-byte aligned: the element path) and num
+    and the gradient with stride-0 batch rows: the answers on contiguous copies (the vector path,
+    whose sums run in another order: equal within rounding)."""
+    q, z, num, u, g, grad = _op_operands((2, 4, 100, 64, 32, "bnhd"), torch.bfloat16, "1+qk")
+    wide = torch.cat([torch.zeros_like(q[..., :1]), q], -1)[..., 1:]
+    nb = num[:1].expand_as(num)
+    got = normalize_op.forward_op(wide, z, nb, u, g, 0.5, 1e-6, "bnhd")
+    want = normalize_op.forward_op(q, z, nb.contiguous(), u, g, 0.5, 1e-6, "bnhd")
+    assert launches["fwd"] == 2
+    assert_close(got[0], want[0].double(), torch.bfloat16, "o, strided")
+    assert_close(got[1], want[1].double(), torch.float32, "den, strided")
+    gb = grad[:1].expand_as(grad)
+    got = normalize_op.backward_op(gb, wide, z, nb, u, want[1], None, 0.5, 1e-6, "bnhd", True, True, False)
+    ref = normalize_op.backward_op(gb.contiguous(), q, z, nb.contiguous(), u, want[1], None, 0.5, 1e-6, "bnhd",
+                                   True, True, False)
+    for name, a, b in zip(("d_num", "dq", "dz"), got[:3], ref[:3]):
+        assert_close(a, b.double(), torch.bfloat16, f"{name}, strided")
+
+
+def test_nan_in_nan_out_on_the_kernel():
+    q, z, num, _, _, _ = _op_operands((1, 2, 10, 16, 8, "bhnd"), torch.float16, "identity")
+    q[0, 1, 3, 5] = float("nan")
+    num[0, 0, 7, 2] = float("nan")
+    o, _ = normalize_op.forward_op(q, z, num, None, None, 1.0, 1e-6, "bhnd")
+    expected = torch.zeros(o.shape, dtype=torch.bool, device="cuda")
+    expected[0, 1, 3] = True
+    expected[0, 0, 7, 2] = True
+    assert torch.equal(torch.isnan(o), expected)
+
+
+@pytest.mark.parametrize("feature", rtkernels.FEATURES)
+def test_cuda_graph_replay_equals_eager(feature):
+    """linear_attention (core calls and the fused normalization) captured in a CUDA graph under
+    no_grad: the replay on new inputs gives the eager call's bits."""
+    shape = SHAPES[2]
+    q, k, v, _, gammas = _inputs(shape, torch.bfloat16)
+    decay = gammas.float()
+    ins = [t.clone() for t in (q, k, v)]
+
+    def call():
+        return rtkernels.linear_attention(*ins, decay, scale=0.1, feature=feature, layout=shape[-1])
+
+    with torch.no_grad():
+        call()  # compile and plan outside the capture
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            call()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        ins[0].copy_(k)  # new values (positive features still), same memory
+        ins[1].copy_(q)
+        ins[2].copy_(v.flip(2))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, call())

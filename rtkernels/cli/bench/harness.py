@@ -16,6 +16,11 @@ learned decay is: rtkernels takes it as ``decay``, fla as per-token gates ``g`` 
 gets no gradient). ``--graph`` adds the kernel time alone: ten forward calls captured in one CUDA
 graph and replayed, no Python and no launch overhead. Errors are against the fp64 reference of
 :mod:`.reference`, which shares no code with the library, on every batch.
+
+``--impls ... linear_attention`` adds ``rtkernels.linear_attention`` rows (method "identity" and
+"1+qk": the feature), on request only: q, k = elu(x) + 1 of the bench's x (a positive
+denominator), scale Dk^-1/2, against a normalized fp64 reference built from four reference calls
+per head; name ``rtkernels`` too for the core call's time and memory in the same run.
 """
 
 from __future__ import annotations
@@ -54,7 +59,9 @@ QUICK: dict[str, list[tuple[int, ...]]] = {
     "huge": [(1, 2, 1024, 16)], "huge128k": [(1, 2, 128, 16)], "decode": [(2, 2, 1, 16), (4, 2, 1, 16)]}
 METHODS = METHOD_NAMES  # every method of the registry, and "auto"
 PASSES = ("fwd", "fwdbwd")
-IMPLS = ("rtkernels", "fla", "leetdecoding", "torch")
+IMPLS = ("rtkernels", "fla", "leetdecoding", "torch", "linear_attention")
+#: run unless --impls names others; linear_attention (normalized, its own inputs and reference) on request
+DEFAULT_IMPLS = ("rtkernels", "fla", "leetdecoding", "torch")
 O_N_MEMORY = ("scan", "fleet", "block", "chunk", "auto")  # rtkernels methods run on "huge*"
 FLUSH_BYTES = 256 << 20
 DEFAULT_OUT = Path("bench-out")  # under the working directory
@@ -97,7 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="standard shapes to run (default: all)")
     parser.add_argument("--dtypes", nargs="+", choices=("bf16", "fp16", "fp32"), default=["bf16", "fp16", "fp32"],
                         help="dtypes to run, where the shape's row lists them (default: all)")
-    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS), help="implementations")
+    parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(DEFAULT_IMPLS),
+                        help="implementations (default: all but linear_attention, the normalized call: its rows, "
+                             "'identity' and '1+qk', take positive-feature q, k and their own fp64 reference)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="rtkernels methods")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20; 3 with --quick)")
     parser.add_argument("--max-call-s", type=float, default=2.0,
@@ -171,12 +180,14 @@ class Reference:
     dgamma: Optional[torch.Tensor] = None
 
 
-def reference(inp: dict[str, Any], case: Case) -> Reference:
-    """The fp64 reference of :mod:`.reference` (no code shared with the library) on every batch."""
+def reference(inp: dict[str, Any], case: Case, head: Any = None) -> Reference:
+    """The fp64 reference of :mod:`.reference` (no code shared with the library) on every batch;
+    ``head(q, k, v, gamma)`` replaces its per-head function (:func:`normalized_case`)."""
     import torch
 
     from .reference import head_reference
 
+    head_reference = head or head_reference
     q, k, v = inp["qkv"]
     gamma = inp["gamma"]
     if case.decode:
@@ -199,8 +210,41 @@ def reference(inp: dict[str, Any], case: Case) -> Reference:
                 if b == 0:
                     grads[0][h], grads[1][h], grads[2][h] = dq, dk, dv
                 dgamma[h] += float(dg)
-    note = "fp64 blockwise reference (bench/reference), every batch"
+    note = "fp64 blockwise reference (bench/reference), every batch" + (", normalized" if head else "")
     return Reference(ref, note + (", gradients by autograd through it" if grad is not None else ""), grads, dgamma)
+
+
+def normalized_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gamma: torch.Tensor, feature: str,
+                    eps: float = 1e-6) -> torch.Tensor:
+    """linear_attention's answer for one head in fp64 from four reference calls: ``o = num / (den + eps)``,
+    num and den the operator with v and with a ones column (``"1+qk"``: plus the same with a query
+    and key of ones); scale Dk^-1/2 as the bench's linear_attention rows pass it. Differentiable."""
+    import torch
+
+    from .reference import head_reference
+
+    scale = q.shape[-1] ** -0.5
+    e = torch.ones(q.shape[0], 1, dtype=torch.float64, device=q.device)
+    num = head_reference(q, k, v, gamma) * scale
+    den = head_reference(q, k, e, gamma) * scale
+    if feature == "1+qk":
+        num = num + head_reference(e, e, v, gamma)
+        den = den + head_reference(e, e, e, gamma)
+    return num / (den + eps)
+
+
+def normalized_case(inp: dict[str, Any], case: Case, feature: str) -> tuple[dict[str, Any], Reference]:
+    """The inputs of a linear_attention row -- q, k = elu(x) + 1 with the bench's x = randn (positive
+    features: a denominator well above 0), v and the gradient as given -- and their fp64 reference."""
+    import functools
+
+    import torch
+
+    q, k, v = inp["qkv"]
+    root = math.sqrt(case.d)
+    pos = tuple((torch.nn.functional.elu(t.float() * root) + 1).to(t.dtype) for t in (q, k))
+    new = {**inp, "qkv": (*pos, v)}
+    return new, reference(new, case, functools.partial(normalized_head, feature=feature))
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -336,6 +380,8 @@ def load_impls(names: Sequence[str], methods: Sequence[str], device: torch.devic
     from . import peers
 
     impls = [peers.rtkernels_impl(m, decay_on, fp32_precision) for m in methods] if "rtkernels" in names else []
+    if "linear_attention" in names:
+        impls += peers.linear_attention_impls(decay_on, fp32_precision)
     info: dict[str, Any] = {}
     for name, loader in (("fla", peers.load_fla), ("leetdecoding", peers.load_leetdecoding)):
         if name not in names:
@@ -385,13 +431,20 @@ def run_case(case: Case, dt: str, impls: list[Any], device: torch.device, args: 
     in_bytes = sum(t.numel() * t.element_size() for t in inp["qkv"])
     flush = flush if flush is not None and in_bytes < 2 * timing.l2_bytes(device) else None
     rows = []
+    normalized: dict[str, Any] = {}  # feature -> (inputs, reference) of the linear_attention rows
     for impl in impls:
         row = {**base, "impl": impl.name, "method": impl.decode_method if case.decode else impl.method,
                "ref": ref.note, "l2_flush": flush is not None}
         reason = skip_reason(case, impl, args.pass_, trainable)
         try:
+            i_inp, i_ref = inp, ref
+            if impl.normalized and not reason:
+                if impl.normalized not in normalized:
+                    normalized[impl.normalized] = normalized_case(inp, case, impl.normalized)
+                i_inp, i_ref = normalized[impl.normalized]
+                row["ref"] = i_ref.note
             row.update({"skipped": reason} if reason else
-                       measure(impl, case, inp, ref, device, reps, flush, args.max_call_s, bwd, trainable,
+                       measure(impl, case, i_inp, i_ref, device, reps, flush, args.max_call_s, bwd, trainable,
                                args.graph))
         except Exception as exc:
             row["error"] = _err(exc)
@@ -400,7 +453,7 @@ def run_case(case: Case, dt: str, impls: list[Any], device: torch.device, args: 
             f", grad rel err {row['grad_rel_err']:.1e}" if "grad_rel_err" in row else "")
         print(f"  [{case.label} {dt}] {report.label(row)}: {status}", flush=True)
         _free(device)
-    del inp, ref
+    del inp, ref, normalized
     _free(device)
     return rows
 

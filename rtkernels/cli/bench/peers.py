@@ -36,6 +36,9 @@ class Impl:
     #: the forward with a trainable decay (its argument from ``decay``, requiring grad); None: no decay gradient
     trainable: Optional[Callable[[Tensor, Tensor, Tensor, Any], Tensor]] = None
     decay_is_log: bool = False  # the decay argument is log γ (its gradient is converted to dL/dγ)
+    #: rtkernels.linear_attention's feature ("identity", "1+qk"): the row takes positive-feature q, k
+    #: and the normalized fp64 reference (harness.normalized_case); "" for the plain operator
+    normalized: str = ""
 
 
 def dist_version(*names: str) -> Optional[str]:
@@ -73,6 +76,27 @@ def rtkernels_impl(method: str, decay_on: str = "cuda", fp32_precision: Optional
     return Impl("rtkernels", method, "bhnd", lambda gamma, dev: gamma.float().to(dev if decay_on == "cuda" else "cpu"),
                 forward, decode if method == "scan" else None, method, path,
                 lambda q, v: backward_impl(q, v).__name__, trainable=forward)
+
+
+def linear_attention_impls(decay_on: str = "cuda", fp32_precision: Optional[str] = None) -> list[Impl]:
+    """``rtkernels.linear_attention`` (normalized), one row per feature, method "auto", scale
+    Dk^-1/2, eps 1e-6; its inputs are positive features (harness.normalized_case)."""
+    from ... import linear_attention
+    from ...normalize_op import kernel_takes
+
+    def impl(feature: str) -> Impl:
+        def forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor) -> Tensor:
+            return linear_attention(q, k, v, g, scale=q.shape[-1] ** -0.5, feature=feature,
+                                    fp32_precision=fp32_precision)
+
+        def path(q: Tensor, v: Tensor) -> str:
+            return "fused normalization kernel" if kernel_takes(q) else "torch normalization"
+
+        return Impl("linear_attention", feature, "bhnd",
+                    lambda gamma, dev: gamma.float().to(dev if decay_on == "cuda" else "cpu"), forward, path=path,
+                    trainable=forward, normalized=feature)
+
+    return [impl("identity"), impl("1+qk")]
 
 
 def load_fla(device: torch.device) -> tuple[Optional[Impl], dict[str, Any]]:
