@@ -22,19 +22,28 @@ With ``ones`` a stride-0 view of rows e_1 = (1, 0, ..., 0) (8 wide), ``core(ones
 
 (``G_i = sum_{j<=i} gamma^(i-j) = (1 - gamma^(i+1)) / (1 - gamma)``, ``i + 1`` at gamma = 1, is the
 operator on a ones column too, run in fp32 -- fp64 for fp64 inputs -- on one batch row: every gamma
-in (0, 1] alike, and differentiable with respect to a trainable decay like the other calls). Then
-``o = num / (den + eps)``. Every call gets the caller's ``decay`` / ``decay_rate``, ``method`` and
-``layout`` (and ``fp32_precision``; the G call always "exact"), so the CUDA chunk kernels run every
-forward and backward, and the decay is checked and read as by the core. Gradients flow through
-autograd: the row dots, the sums and the division are torch operations, and each core call's
-backward runs its kernels.
+in (0, 1] alike, and differentiable with respect to a trainable decay like the other calls). Every
+call gets the caller's ``decay`` / ``decay_rate``, ``method`` and ``layout`` (and ``fp32_precision``;
+the G call always "exact"), so the CUDA chunk kernels run every forward and backward, and the decay
+is checked and read as by the core.
+
+The rest is one fused step, :mod:`rtkernels.normalize_op` (a ``torch.library`` op): per row i it
+reads q_i, z_i, num_i (u_i, G_i), forms ``den_i`` and writes ``o_i = (num_i (+ u_i)) / (den_i + eps)``
+and ``den_i`` (fp32, ``[B, H, N]``, kept for the backward). On CUDA (fp32/fp16/bf16) that is one
+kernel launch (``cuda_src/normalize/fwd.cu``), its backward another (``bwd.cu``: ``d_num = d_u =
+g / (den + eps)``, ``dden = -(g . (num (+ u)) / (den + eps)) / (den + eps)``, ``dq`` and ``dz``
+through den, ``dG`` = dden summed over the batch); elsewhere the same formulas in torch operations.
+The gradients of q, k, v and the decay through num, z, u and G are the core calls' own backward,
+through autograd. The op has a fake implementation, so ``torch.compile(fullgraph=True)`` traces
+``linear_attention`` as the core ops and this one.
 
 Precision: each core call runs in the caller's dtype (for fp16/bf16 the 16-bit tensor-core kernels,
 fp32 accumulation) and returns its result rounded to that dtype. The row dot ``q_i . z_i`` takes the
 exact products of the 16-bit q and z in fp32 and sums them in fp32; G is fp32; ``den`` stays fp32 and
-``num`` (``"1+qk"``: ``core + u``) is divided in fp32, the result rounded once to the input dtype
-(fp32 inputs: all fp32; fp64: all fp64). So the denominator carries only the roundings of the
-elements of z, which partly average out over the Dk products (measured on the CPU torch path, N =
+``num`` (``"1+qk"``: ``num + u``, summed in fp32) is divided in fp32 (IEEE division), the result
+rounded once to the input dtype (fp32 inputs: all fp32; fp64: all fp64); the kernel and the torch
+path compute the same formulas. So the denominator carries only the roundings of the elements of z,
+which partly average out over the Dk products (measured on the CPU torch path, N =
 512, D = 64, gamma 0.9 .. 1, q and k elu + 1, relative Frobenius error of den against fp64 on the
 same rounded inputs: bf16 2.5e-4, fp16 3.1e-5, where den rounded once to the dtype, as the previous
 single widened call returned it, gave 1.7e-3 and 2.1e-4), and a 16-bit output carries two roundings
@@ -46,7 +55,17 @@ single call: 2.8e-3 / 2.9e-3 and 3.5e-4 / 3.6e-4). Running the core in fp32 is n
 16-bit one (the README's mid shape, kernels alone: 1.13 against 0.19 ms). What the fp32 division
 buys: ``eps`` is added at fp32 resolution (in fp16, 1e-6 is subnormal; added in 16 bits it would
 vanish next to any denominator above about 2e-3 in fp16, 2.6e-4 in bf16), and ``den`` is never
-rounded to 16 bits.
+rounded to 16 bits. (The output figures above were measured again after the fused step replaced the
+torch epilogue: unchanged at that resolution.) The backward's ``dden`` takes the fp32 ratio
+``(num + u) / (den + eps)``, not the 16-bit output, one rounding fewer in that term; the price is
+keeping num (and u) until the backward.
+
+Work and memory (per (batch, head), chunk C): the core call, the narrow calls (z; for "1+qk" u
+and G), then one pass over the rows: O(N (Dk + Dv)), memory traffic reading q, z, num (u) and
+writing o, with fp32 ``[B, H, N]`` den as the only temporary. Memory beyond the core call: z (and
+u) in the input dtype and den; under autograd z, num (u) and den are kept for the backward. The
+backward pass reads the incoming gradient, num (u), q and z and writes d_num, dq, dz (the parts
+through den), which autograd adds to the core calls' gradients.
 
 Where the denominator vanishes or changes sign: ``s = scale * q.k`` can be negative, and so can
 ``den_i``; as it crosses 0 the output is unbounded. ``eps`` is *added* to the denominator: it
@@ -148,26 +167,26 @@ def linear_attention(
 
     Precision: the core calls run in the input dtype (fp16/bf16: the 16-bit kernels, fp32
     accumulation; num, z and u come back rounded to 16 bits); the row dots ``q_i . z_i``, G, the
-    denominator and the division are fp32 for 16-bit inputs, and the result is rounded once. Why,
-    and measured errors, in the module docstring.
+    denominator, ``num + u`` and the division are fp32 for 16-bit inputs (one fused step), and the
+    result is rounded once. Why, and measured errors, in the module docstring.
 
     Cost: the core call on q, k, v as given (no copy), plus narrow calls of the same operator with a
     query and key of unit rows e_1 (stride-0 views: no memory): z with Dk value columns, for
-    ``"1+qk"`` also u with Dv value columns and G (``[1, H, N, 1]``, fp32); plus O(N Dk) for the row
-    dots and O(N Dv) for the division, per (batch, head). Work O(N C (Dk + Dv) + N Dk Dv) with
-    chunk C, as the core. A narrow call's memory traffic is reading k (or v) and writing z (or u);
-    its arithmetic is that of a key as wide as the kernel's smallest key tile (64). Memory: the
-    core's, plus z (``[..., Dk]``, input dtype; kept for the backward under autograd), for ``"1+qk"``
-    u (``[..., Dv]``, likewise); fp32 temporaries (16-bit inputs): the row dot's products
-    (``[..., Dk]``), ``[..., 1]`` denominators, and for ``"1+qk"`` or under autograd one or two
-    ``[..., Dv]`` of the division (otherwise it writes the output directly). Backward: each call's
-    backward is the core's (three kernel passes, which for the narrow calls also compute the unused
-    gradients of the ones, and the decay-gradient kernel for a trainable decay). Kernel limits: the
+    ``"1+qk"`` also u with Dv value columns and G (``[1, H, N, 1]``, fp32); then one fused pass over
+    the rows (:mod:`rtkernels.normalize_op`: one CUDA kernel, O(N (Dk + Dv)) per (batch, head),
+    reading q, z, num (u) and writing o). Work O(N C (Dk + Dv) + N Dk Dv) with chunk C, as the core.
+    A narrow call's memory traffic is reading k (or v) and writing z (or u); its arithmetic is that
+    of a key as wide as the kernel's smallest key tile (64). Memory: the core's, plus z
+    (``[..., Dk]``, input dtype) and for ``"1+qk"`` u (``[..., Dv]``), and den (fp32 ``[B, H, N]``);
+    under autograd z, num (u) and den are kept for the backward. Backward: one fused pass (d_num,
+    and dq, dz through den), then each call's backward is the core's (three kernel passes, which
+    for the narrow calls also compute the unused gradients of the ones, and the decay-gradient
+    kernel for a trainable decay); autograd adds the parts of dq and dk. Kernel limits: the
     core's, on the caller's heads (z has Dk value columns, u Dv, within them whenever the core call
     is). No ``initial_state``, ``return_state`` or ``cu_seqlens`` (yet).
 
     Gradients: with respect to q, k, v and a decay tensor that requires grad, through autograd (the
-    row dots, the sums and the division are torch operations; each core call's backward is its own).
+    fused step's backward, then each core call's own). Not twice differentiable.
 
     Raises:
         TypeError / ValueError naming the argument, as the core, and for ``normalize`` (not a bool),
