@@ -185,7 +185,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   if (out_warp) {
     // ---- output warps: per-thread decay factors, fixed for the whole sequence -----------------
     const int w = warp, r0 = 16 * warp;  // this warp's rows r0 .. r0+15 of each chunk
-    const rtk_chunk_decay dec(lg2, scale, g, t4, r0);
+    const rtk_chunk_decay dec(lg2, out_scale, g, t4, r0);
     // the wgmma kernel sends whole, 16-byte aligned output rows with bulk copies
     const bool osend = WG && ovec_full && o_sn % 8 == 0 && (reinterpret_cast<size_t>(ob + v0) & 15) == 0;
     float s_inv = 1.f;  // the state copy holds S * 2^e (fp16); s_inv = 2^-e
@@ -371,6 +371,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, mode == RTK_MODE_FOLD ? 0 : state_slot};
     if (mode == RTK_MODE_FOLD) sf.fold(s_acc, init_state, rtk_head_log_decay(decay, decay_mode, h), seg_len, gridDim.x);
     else sf.load(s_acc, init_state);
+    if (seq_bad) rtk_frag_scale(s_acc, __int_as_float(0x7fc00000));  // invalid packed offsets: NaN states
     auto publish_max = [&](int slot) {  // fp16
       if (DT != RTK_F16) return;
       float m = 0.f;
@@ -401,7 +402,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       if (SERIAL) rtk_cta_sync();
       if (store) store_state_copy(slot);
     };
-    load_chunk(0, 0);
+    if (nchunks > 0) load_chunk(0, 0);  // none: an empty packed sequence
     rtk_cp_async_commit();
     next_copy(0, true);
     end_period(0);

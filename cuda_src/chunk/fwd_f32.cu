@@ -143,7 +143,7 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
   if (tid == 0) or_ring[0] = or_ring[1] = 0u;  // before both groups' start barrier
   bool loaded_bad = false;  // without VEC: Inf/NaN among the v values of the last load_chunk
   if (!out_warp) {
-    loaded_bad = load_chunk(0, 0);
+    if (nchunks > 0) loaded_bad = load_chunk(0, 0);  // none: an empty packed sequence (no copy left in flight)
     rtk_cp_async_commit();
   }
 
@@ -186,7 +186,7 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
       const int r0 = 16 * W;
       // n-tiles 0 .. OWN-1 of this warp's q S are computed here, the rest come as pieces
       const int OWN = PC::own(W);
-      const rtk_chunk_decay dec(lg2, scale, g, t4, r0);  // as in rtk_chunk_fwd
+      const rtk_chunk_decay dec(lg2, out_scale, g, t4, r0);  // as in rtk_chunk_fwd
 
       for (int chunk = 0; chunk < nchunks; ++chunk) {
         const bool v_bad = begin_chunk(chunk);
@@ -332,6 +332,7 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
     float s_acc[MT][HT][4];
     const rtk_chunk_state<MT, HT> sf = {sr0, g, t4, bh, Dk, Dv, v0 + cb, dv_here - cb, state_slot};
     sf.load(s_acc, init_state);
+    if (seq_bad) rtk_frag_scale(s_acc, __int_as_float(0x7fc00000));  // invalid packed offsets: NaN states
     // float2 stores at row r, columns c, c+1: bank 8 g + 2 t4 (+1) per half warp, conflict-free
     auto store_state_copy = [&]() {
       sf.pairs(s_acc, [&](int r, int c, float lo, float hi) { rtk_store_pair<RTK_F32>(sS + r * SS + cb + c, lo, hi); });

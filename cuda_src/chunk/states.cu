@@ -47,7 +47,7 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
   rtk_u16* sm = reinterpret_cast<rtk_u16*>(smem_raw);
 
   RTK_CHUNK_CTA(rtk_u16, 4);
-  (void)out_warp; (void)kt_used; (void)ovec_full;
+  (void)out_warp; (void)kt_used; (void)ovec_full; (void)seq_bad; (void)out_scale;  // never packed
   const int sr0 = (warp & 3) * MT * 16, c0 = (warp >> 2) * (BV / 2);  // the warp's rows and columns
 
   typedef rtk_chunk_loader<rtk_u16, KMAX, BV, 256> LD;

@@ -11,11 +11,11 @@ from ...autotune.answers import plan_state, tuned_config
 from ...autotune.keys import dtype_name
 from ...autotune.space import Config, Limits, Problem
 from ...decay import LogDecay
-from ...jit import get_function
+from ...jit import get_function, launch as _launch_kernel
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
 from .plan import (CHUNK_KERNEL, MODE_FOLD, MODE_FUSED, MODE_STATES, SEG_SCAN_SOURCE, STATES_SOURCE, Launch,
-                   _sm_count, _smem_limit, aligned, current_overrides, key_pieces, plan_launch, states_config,
-                   states_name, states_smem_bytes, tuned_launch)
+                   _sm_count, _smem_limit, aligned, current_overrides, key_pieces, packed_launch, plan_launch,
+                   states_config, states_name, states_smem_bytes, tuned_launch)
 
 __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "call_pieces"]
 
@@ -59,14 +59,19 @@ class ChunkLaunch:
     (two with the fused kernel's states-only mode: fp32 inputs, or ``Overrides.dedicated_states`` False).
     ``tuned``: the config of a key piece's whole call (:func:`call_pieces`); None: :func:`pass_launch`
     looks one up.
+
+    ``sequences`` = S > 0: packed sequences (``cu_seqlens``, :mod:`.packed`) in a batch of one, one CTA
+    row per (sequence, head), one segment (:func:`.plan.packed_launch`), states ``[S, H, Dk, Dv]``;
+    each call then takes ``seqs``, the addresses of the int64 offsets and of their validity flag
+    (device tensors: they go into the struct parameter, packed per call).
     """
 
     __slots__ = ("fused", "states", "scan", "device", "log_decay", "decay_ptr", "nseg", "state_shape", "need_state",
-                 "offsets")
+                 "offsets", "packed")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
                  out: torch.Tensor, need_state: bool, reverse: bool = False, fp32_precision: str = "exact",
-                 tuned: Optional[Config] = None):
+                 tuned: Optional[Config] = None, sequences: int = 0):
         b, h, n, dk = q.shape
         dv = v.shape[-1]
         vec = aligned(q, reverse) and aligned(k, reverse) and aligned(v, reverse)
@@ -76,7 +81,11 @@ class ChunkLaunch:
         bh = b * h
         exact = fp32_precision != "tf32"  # the float32 kernel's mode (16-bit inputs ignore it)
         over = current_overrides()
-        lp = pass_launch(q.dtype, b, h, n, dk, dv, dev, vec, exact, tuned)
+        if sequences:
+            bh = sequences * h
+            lp = packed_launch(q.dtype, dk, dv, vec, bh, max(1, n // sequences), dev, over, exact)
+        else:
+            lp = pass_launch(q.dtype, b, h, n, dk, dv, dev, vec, exact, tuned)
         name, bv, nseg, smem, threads, opts = lp.name, lp.bv, lp.segments, lp.smem, lp.threads, lp.options
         seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
         self.nseg = nseg = -(-n // seg_len)
@@ -86,19 +95,26 @@ class ChunkLaunch:
         grid, block, tail = (bh, -(-dv // bv), nseg), (threads, 1, 1), fwd_tail(q, k, v, out, scale, mode, reverse)
         # the split strategy with the dedicated states kernel: its slots, then the fused pass folding them
         fold = nseg > 1 and q.dtype != torch.float32 and over.dedicated_states
-        # head: q, k, v, out, log-decay, initial state, final state pointers
-        self.fused = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, MODE_FOLD if fold else MODE_FUSED))
         self.device = q.device
         self.need_state = need_state
-        self.state_shape = (b, h, dk, dv)
+        self.state_shape = (sequences or b, h, dk, dv)
         self.scan = None
+        self.packed = None
+        if sequences:  # the offsets' addresses change per call: the struct is packed at each launch
+            self.packed = (fn, grid, block, smem, dev, (*tail, seg_len, MODE_FUSED), int(reverse))
+            self.fused = None
+            return
+        # head: q, k, v, out, log-decay, initial state, final state pointers; no packed sequences
+        self.fused = fn.bind(grid, block, smem, dev, FWD_POINTERS,
+                             (*tail, seg_len, MODE_FOLD if fold else MODE_FUSED, 0, 0, 0))
         if fold:
             sc = states_config(q.dtype, dk, dv, vec, _smem_limit(dev))
             ssmem = states_smem_bytes(sc[1], sc[2], sc[4])
             sfn = get_function(STATES_SOURCE, states_name(sc), dev, dynamic_smem=ssmem)
-            self.states = sfn.bind((bh, -(-dv // sc[2]), nseg - 1), block, ssmem, dev, FWD_POINTERS, (*tail, seg_len, 0))
+            self.states = sfn.bind((bh, -(-dv // sc[2]), nseg - 1), block, ssmem, dev, FWD_POINTERS,
+                                   (*tail, seg_len, 0, 0, 0, 0))
         elif nseg > 1:  # the fused kernel's states-only mode and the scan kernel
-            self.states = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, MODE_STATES))
+            self.states = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, MODE_STATES, 0, 0, 0))
             total = bh * dk * dv
             # head: segment states, entering states, initial state, final state, log-decay pointers
             self.scan = get_function(SEG_SCAN_SOURCE, "rtk_chunk_seg_scan", dev).bind(
@@ -107,10 +123,11 @@ class ChunkLaunch:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None,
-                 decay_ptr: Optional[int] = None) -> Optional[torch.Tensor]:
+                 decay_ptr: Optional[int] = None, seqs: Optional[tuple[int, int]] = None) -> Optional[torch.Tensor]:
         """Launch on new tensors; ``decay``: a CUDA decay tensor of the planned dtype and stride in
         place of the planned one (the cached call's), or ``decay_ptr``, the address of one (a
-        :meth:`LogDecay.kernel_arg` of the planned mode); neither: the planned decay."""
+        :meth:`LogDecay.kernel_arg` of the planned mode); neither: the planned decay. ``seqs``: the
+        packed sequences' (offsets, validity flag) addresses, for a launch planned with ``sequences``."""
         s0 = initial_state
         if s0 is not None and (s0.dtype != torch.float32 or not s0.is_contiguous()):
             s0 = s0.to(torch.float32).contiguous()
@@ -122,6 +139,11 @@ class ChunkLaunch:
         if self.offsets is not None:
             oq, ok, ov, oo = self.offsets
             qp, kp, vp, op = qp + oq, kp + ok, vp + ov, op + oo
+        if self.packed is not None:
+            fn, grid, block, smem, dev, tail, rev = self.packed
+            _launch_kernel(fn, grid, block, (qp, kp, vp, op, dp, s0p, fp, *tail, *seqs, rev), dev, smem,
+                           pointers=FWD_POINTERS)
+            return final
         if self.nseg == 1:
             self.fused(qp, kp, vp, op, dp, s0p, fp)
             return final
@@ -155,24 +177,24 @@ class KeyPiecesLaunch:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
                  out: torch.Tensor, need_state: bool, reverse: bool, fp32_precision: str, pieces: list[slice],
-                 tuned: Optional[Config] = None):
+                 tuned: Optional[Config] = None, sequences: int = 0):
         self.pieces, self.need_state = pieces, need_state
         # the [B, H, N, Dv] view of the output the plan saw: a cached call passes the caller's tensor,
         # which for layout "bnhd" is [B, N, H, Dv] over the same memory
         self.out_size, self.out_stride = tuple(out.shape), out.stride()
         self.parts = [ChunkLaunch(q[..., p], k[..., p], v, log_decay, scale, out if i == 0 else _piece_out(out),
-                                  need_state, reverse, fp32_precision, tuned) for i, p in enumerate(pieces)]
+                                  need_state, reverse, fp32_precision, tuned, sequences) for i, p in enumerate(pieces)]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None,
-                 decay_ptr: Optional[int] = None) -> Optional[torch.Tensor]:
+                 decay_ptr: Optional[int] = None, seqs: Optional[tuple[int, int]] = None) -> Optional[torch.Tensor]:
         if out.stride() != self.out_stride or tuple(out.shape) != self.out_size:
             out = out.as_strided(self.out_size, self.out_stride, out.storage_offset())
         states = []
         for i, (p, part) in enumerate(zip(self.pieces, self.parts)):
             dst = out if i == 0 else _piece_out(out)  # contiguous [B, H, N, Dv], as planned
             s0 = None if initial_state is None else initial_state[:, :, p]
-            states.append(part(q[..., p], k[..., p], v, dst, s0, decay, decay_ptr))
+            states.append(part(q[..., p], k[..., p], v, dst, s0, decay, decay_ptr, seqs))
             if i:
                 out.add_(dst)
         return torch.cat(states, dim=2) if self.need_state else None
@@ -183,12 +205,17 @@ def _piece_out(out: torch.Tensor) -> torch.Tensor:
 
 
 def _launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
-              out: torch.Tensor, need_state: bool, reverse: bool, fp32_precision: str):
+              out: torch.Tensor, need_state: bool, reverse: bool, fp32_precision: str, sequences: int = 0):
     b, h, n, dk = q.shape
-    pieces, tuned = call_pieces(q.dtype, b * h, n, dk, v.shape[-1], q.device.index)
+    if sequences:  # packed sequences: the heuristic's pieces (the tuned store is per (B*H, N) shape)
+        pieces, tuned = key_pieces(q.dtype, dk, q.device.index, current_overrides()), None
+    else:
+        pieces, tuned = call_pieces(q.dtype, b * h, n, dk, v.shape[-1], q.device.index)
     if pieces is None:
-        return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision=fp32_precision)
-    return KeyPiecesLaunch(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision, pieces, tuned)
+        return ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision=fp32_precision,
+                           sequences=sequences)
+    return KeyPiecesLaunch(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision, pieces, tuned,
+                           sequences)
 
 
 def kernel_prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
@@ -208,7 +235,8 @@ _PLANNED_MAX = 256
 
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
-                   need_state: bool, fp32_precision: str = "exact", *, reverse: bool = False) -> Optional[torch.Tensor]:
+                   need_state: bool, fp32_precision: str = "exact", *, reverse: bool = False,
+                   packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
     """One fused pass, or with few (batch, head, value-tile) CTAs the split-sequence strategy:
     a states-only pass (``rtk_chunk_states`` for 16-bit inputs, which skips the last segment; the
     fused kernel's states-only mode plus a scan kernel for fp32), then the fused pass per segment
@@ -221,18 +249,26 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     gets the pointers of row N-1 and negated token strides (:mod:`rtkernels.methods._launch`); segments and the
     states scan work in the kernel's (reversed) token order unchanged.
 
+    ``packed``: packed sequences in a batch of one, ``(offsets, valid)``: the ``[S + 1]`` int64
+    offsets and the bool telling they are valid, both on the device (:mod:`.packed`); one CTA row
+    per (sequence, head), one segment, states ``[S, H, Dk, Dv]``. A reversed pass reads sequence s
+    from its last token to its first.
+
     The plan is kept by call signature (shapes, strides, dtypes, device, 16-byte alignment, the
-    decay's kernel mode, scale, the flags, the autotune store's state and the overrides), so a
-    repeated pass costs its launches."""
+    decay's kernel mode, scale, the flags, the number of packed sequences, the autotune store's
+    state and the overrides), so a repeated pass costs its launches."""
     q, k, v = unit_stride(q, k, v)
     decay, mode = log_decay.kernel_arg()
+    sequences = 0 if packed is None else packed[0].shape[0] - 1
     key = (q.shape, q.stride(), k.stride(), v.shape, v.stride(), out.stride(), q.dtype, k.dtype, v.dtype,
            out.dtype, q.get_device(), (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15, mode,
-           scale, need_state, fp32_precision, reverse, plan_state(), current_overrides())
+           scale, need_state, fp32_precision, reverse, sequences, plan_state(), current_overrides())
     launcher = _planned.get(key)
     if launcher is None:
         if len(_planned) >= _PLANNED_MAX:
             _planned.clear()
-        launcher = _planned[key] = _launcher(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision)
-    return launcher(q, k, v, out, initial_state, decay_ptr=decay)
+        launcher = _planned[key] = _launcher(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision,
+                                             sequences)
+    seqs = None if packed is None else (packed[0].data_ptr(), packed[1].data_ptr())
+    return launcher(q, k, v, out, initial_state, decay_ptr=decay, seqs=seqs)
 

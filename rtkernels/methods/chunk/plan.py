@@ -328,8 +328,12 @@ def _piece_problem(p: Problem) -> Problem:
     return p if pieces is None else dataclasses.replace(p, dk=pieces[0].stop)
 
 
-#: The last field of the chunk kernels' parameters (RTK_MODE_* in the kernels).
+#: The field ``mode`` of the chunk kernels' parameters (RTK_MODE_* in the kernels).
 MODE_FUSED, MODE_STATES, MODE_FOLD = 0, 1, 2
+#: The fields of ``rtk_chunk_shape`` after its ``rtk_fwd_shape`` (``cuda_src/chunk/modes.cuh``; a test
+#: holds them against the header): the segment length, the mode, and the packed sequences' offsets
+#: address (0: none), the address of their validity flag, and whether the launch is reversed.
+CHUNK_FIELDS = ("seg_len", "mode", "cu_seqlens", "cu_valid", "cu_reverse")
 
 
 class Launch(NamedTuple):
@@ -417,6 +421,16 @@ def plan_launch(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: int
     tiles = bh * -(-dv // bv)
     nseg = overrides.segments or segments_for(tiles, n, sms, ctas_per_sm(dtype, dk, bv, wg, limit, exact))
     return _launch_of(kernel_config(dtype, dk, dv, vec, tiles * nseg, sms, wg, bv, exact, limit), nseg)
+
+
+def packed_launch(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: int, dev: int,
+                  overrides: Overrides = Overrides(), exact: bool = True) -> Launch:
+    """The launch of a pass over packed sequences (``cu_seqlens``; ``bh`` = S * H CTA rows of
+    ``n`` tokens on average): :func:`plan_launch` with one segment always. The split-sequence
+    strategy would need each sequence's segment count, which the host does not know without
+    reading the offsets (a sync); the tuned store is not consulted either (its entries are per
+    (B*H, N) shape, not per distribution of lengths)."""
+    return plan_launch(dtype, dk, dv, vec, bh, n, dev, dataclasses.replace(overrides, segments=1), exact)
 
 
 def _tune_default(p: Problem, limits: Limits) -> dict:
