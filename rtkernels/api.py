@@ -15,6 +15,7 @@ from .decay import KIND_FACTOR, KIND_RATE, LogDecay
 from . import call_cache
 from . import varlen as _varlen
 from .methods import METHODS, auto_method, run_method
+from .methods.chunk import packed as _packed
 from .jit.arrays import as_gpuarray, is_gpuarray
 from .jit.dtypes import compute_dtype
 
@@ -284,12 +285,14 @@ def _results(out: torch.Tensor, state: Optional[torch.Tensor], return_state: boo
 
 def _varlen_call(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, method: Any, layout: Any,
                  initial_state: Any, return_state: Any, fp32_precision: Any, cu_seqlens: Any) -> Any:
-    """A call with ``cu_seqlens``: the same checks, then :func:`rtkernels.varlen.varlen_attention`
-    whatever ``method`` names (the kernels do not take packed sequences yet). Never cached and
-    never routed to the torch.library op: it reads nothing on the host, so it traces as it is."""
+    """A call with ``cu_seqlens``: the same checks, then the chunk kernels for CUDA fp16/bf16/fp32
+    inputs they take (:mod:`rtkernels.methods.chunk.packed`; a decay that requires grad excepted),
+    else :func:`rtkernels.varlen.varlen_attention`, whatever ``method`` names. Never cached and
+    never routed to the torch.library op: it reads nothing on the host; traced (torch.compile) or
+    under a torch.func transform it runs the torch path, which traces as it is."""
     qt, kt, vt, kind = _check_inputs(q, k, v, layout)
     scale, return_state = _check_call_options(scale, method, return_state)
-    if fp32_precision is not None:  # checked, then unused (no tensor cores); None is not resolved (compile)
+    if fp32_precision is not None:  # checked here; None is resolved only for the kernels (not while compiling)
         _check_fp32_precision(fp32_precision)
     b, h, n, _ = qt.shape
     if b != 1:
@@ -304,7 +307,11 @@ def _varlen_call(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any
         _varlen.check_cu_seqlens_values(cu, n)
     log_decay = _log_decay(decay, decay_rate, h, qt.device)
     s0 = _check_state(initial_state, qt, vt, sequences)
-    needs_grad(kind, qt, kt, vt, s0, log_decay)  # only for its TypeError (CuPy outputs carry no gradient)
+    with_grad = needs_grad(kind, qt, kt, vt, s0, log_decay)  # (raises for CuPy inputs that need a gradient)
+    if not (_is_compiling() or _func_active()) and _packed.takes(qt, kt, vt, log_decay):
+        out, state = _packed.packed_attention(qt, kt, vt, cu, log_decay, scale, s0, return_state, layout == "bnhd",
+                                              _check_fp32_precision(fp32_precision), with_grad)
+        return _results(out, state, return_state, kind)
     out, state = _varlen.varlen_attention(qt, kt, vt, cu, log_decay, scale, s0, return_state, checked)
     out = out.transpose(1, 2).contiguous() if layout == "bnhd" else out
     return _results(out, state, return_state, kind)
@@ -357,9 +364,11 @@ def causal_linear_attention(
             returned state are then ``[S, H, Dk, Dv]`` (an empty sequence returns its initial state,
             or zeros). A CPU tensor's values are checked (``ValueError``); a CUDA tensor's are never
             read on the host (no sync, capturable): invalid values make every output and state NaN.
-            Every ``method`` runs the same torch path (the kernels do not take packed sequences yet):
-            work O(N C (Dk + Dv) + N Dk Dv) per head, differentiable through autograd; such calls
-            are not cached and, under torch.compile, are traced as torch operations (not the op).
+            Whatever ``method`` names, CUDA fp16/bf16/fp32 inputs the chunk kernel takes run it (one
+            CTA per sequence, head and value tile; forward and backward; not for a decay that
+            requires grad), everything else a torch path of work O(N C (Dk + Dv) + N Dk Dv) per
+            head (:mod:`rtkernels.varlen`); such calls are not cached and, under torch.compile, are
+            traced as torch operations (not the op).
 
     Returns:
         The output ``[B, H, N, Dv]`` (or ``[B, N, H, Dv]``) in the input dtype, contiguous in the

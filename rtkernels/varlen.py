@@ -12,7 +12,13 @@ the last token of s. Nothing here reads a value of ``cu_seqlens`` on the host: e
 device tensor and every shape follows from N, S and the chunk size, so a CUDA call never syncs
 and can be captured in a CUDA graph.
 
-The algorithm, in torch operations (any device; autograd differentiates it), chunks of C tokens:
+Two implementations give this answer. CUDA fp16/bf16/fp32 inputs the chunk kernel takes, with a
+decay that does not require grad, run the chunk kernels with the offsets read on the device
+(:mod:`rtkernels.methods.chunk.packed`: one CTA per sequence, head and value tile, never a split
+sequence; the kernel backward's passes restart at every sequence too). Everything else runs this
+module's torch path (:func:`varlen_attention`), also what torch.compile traces.
+
+The torch path's algorithm, in torch operations (any device; autograd differentiates it), chunks of C tokens:
 
 - ``seg = searchsorted(cu[1:], arange(N), right=True)``: the sequence of each token.
 - Intra-chunk: ``A[t, s] = (q_t . k_s) gamma^(t-s)`` for ``s <= t`` and ``seg_t == seg_s``, else 0;
@@ -38,8 +44,9 @@ data-dependent control flow). Computed in float32 (float64 for float64 inputs).
 Invalid values of a CPU ``cu_seqlens`` raise ``ValueError`` (:func:`check_cu_seqlens_values`). A
 CUDA one cannot be read without a sync: every index is clamped into range (no out-of-bounds access)
 and, unless ``cu[0] == 0``, ``cu[S] == N`` and ``cu`` is non-decreasing, every output and final state
-is NaN. A NaN or Inf in the inputs of one sequence may reach the other sequences that share a chunk
-with it (the dense chunk products multiply it by zeros); finite inputs give exact results.
+is NaN (on the kernels: the gradients too). On the torch path a NaN or Inf in the inputs of one
+sequence may reach the other sequences that share a chunk with it (the dense chunk products
+multiply it by zeros); finite inputs give exact results. The kernels keep it in its sequence.
 """
 
 from __future__ import annotations

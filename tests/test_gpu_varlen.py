@@ -2,7 +2,9 @@
 final states and every gradient against the fp64 reference run per sequence and against one ordinary
 call per sequence (the kernels), in bf16, fp16 and fp32; forward and backward under
 ``torch.cuda.set_sync_debug_mode("error")`` (no host sync); a CUDA-graph capture replayed equal to an
-eager call; invalid offsets on the device giving NaN."""
+eager call; invalid offsets on the device giving NaN. CUDA fp16/bf16/fp32 calls with a decay that
+does not require grad run the chunk kernels (rtkernels.methods.chunk.packed; the tests at the end
+check that they ran, forward and backward, Dk != Dv, with and without states)."""
 
 from __future__ import annotations
 
@@ -87,7 +89,9 @@ def test_outputs_and_states(dtype, layout):
     assert state.dtype == torch.float32 and state.shape == (len(LENS), H, DK, DV)
     ro, rs = fp64_reference(q, k, v, s0, gamma, layout)
     assert_close(out, ro, dtype, "output vs fp64 reference", N)
-    assert_close(state, rs, torch.float32, "states vs fp64 reference", N)
+    # these calls run the chunk kernels, whose 16-bit state products round the decay-weighted keys
+    # to the input dtype: the states are as accurate as the dtype (the torch path's: fp32)
+    assert_close(state, rs, dtype, "states vs fp64 reference", N)
     oo, os_ = ordinary(q, k, v, s0, gamma, layout)
     assert_close(out, oo, dtype, "output vs one call per sequence", N)
     # the 16-bit kernel rounds the decay-weighted keys to the input dtype before its state products
@@ -178,3 +182,228 @@ def test_errors_on_the_device():
         rtkernels.causal_linear_attention(q, k, v, cu_seqlens=offsets((5, 6)),
                                           initial_state=torch.zeros(2, H, DK, DV))
     assert math.isfinite(float(rtkernels.causal_linear_attention(q, k, v, cu_seqlens=offsets((5, 6))).sum()))
+
+
+# ---- the chunk kernels' packed path (rtkernels.methods.chunk.packed) ------------------------------
+
+#: The lengths of the kernel tests: one token, around the chunk size, an empty one, a long one.
+KLENS = (1, 63, 64, 65, 0, 2000)
+KN = sum(KLENS)
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    """The torch varlen path raises; the packed kernel passes are counted (one per forward, three
+    per backward)."""
+    from rtkernels import varlen as torch_varlen
+    from rtkernels.methods.chunk import packed as kp
+
+    def no_torch_path(*args, **kwargs):
+        raise AssertionError("the torch varlen path ran where the chunk kernels should")
+
+    passes = []
+    real = kp.forward_pass
+
+    def counted(*args, **kwargs):
+        passes.append(args[8])  # reverse
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_varlen, "varlen_attention", no_torch_path)
+    monkeypatch.setattr(kp, "forward_pass", counted)
+    return passes
+
+
+def kernel_inputs(dtype, dk, dv, layout, seed=0, lens=KLENS):
+    """q, k, v in ``layout`` (batch 1), fp32 ``[S, H, Dk, Dv]`` initial states, an fp32 gamma tensor."""
+    n = sum(lens)
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(d, std):
+        x = torch.randn(1, H, n, d, generator=g, dtype=F64) * std
+        return (x if layout == "bhnd" else x.transpose(1, 2).contiguous()).to("cuda", dtype)
+
+    q, k, v = draw(dk, dk ** -0.5), draw(dk, dk ** -0.5), draw(dv, 1.0)
+    s0 = (torch.randn(len(lens), H, dk, dv, generator=g, dtype=F64) * dk ** -0.5).to("cuda", torch.float32)
+    return q, k, v, s0, torch.tensor(GAMMAS, dtype=torch.float32, device="cuda")
+
+
+def kernel_call(q, k, v, s0, gamma, layout, stateful, lens=KLENS, cu_dtype=torch.int32):
+    res = rtkernels.causal_linear_attention(q, k, v, gamma, scale=SCALE, layout=layout,
+                                            initial_state=s0 if stateful else None, return_state=stateful,
+                                            cu_seqlens=offsets(lens, cu_dtype))
+    return res if stateful else (res, None)
+
+
+def split_call(fn, q, k, v, s0, layout, stateful, lens=KLENS):
+    """``fn(q_s, k_s, v_s, s0_s or None, return_state)`` per non-empty sequence: outputs end to end,
+    states stacked (an empty sequence keeps its initial state, or zeros)."""
+    dim = 2 if layout == "bhnd" else 1
+    outs, states, lo = [], [], 0
+    for s, n in enumerate(lens):
+        if n == 0:
+            states.append(s0[s] if stateful else None)
+            continue
+        o, st = fn(*(x.narrow(dim, lo, n) for x in (q, k, v)), s0[s:s + 1] if stateful else None, stateful)
+        outs.append(o)
+        states.append(st[0] if stateful else None)
+        lo += n
+    return torch.cat(outs, dim), (torch.stack(states) if stateful else None)
+
+
+def _by_reference(gamma, layout):
+    def run(a, b, c, s, stateful):
+        return reference(a, b, c, gamma, SCALE, layout, s)
+    return run
+
+
+def _by_ordinary_call(gamma, layout):
+    def run(a, b, c, s, stateful):
+        res = rtkernels.causal_linear_attention(a, b, c, gamma, scale=SCALE, layout=layout, initial_state=s,
+                                                return_state=stateful)
+        return res if stateful else (res, None)
+    return run
+
+
+@pytest.mark.parametrize("stateful", [True, False], ids=["states", "no-states"])
+@pytest.mark.parametrize("dims, layout", [((64, 96), "bhnd"), ((37, 200), "bnhd"), ((128, 64), "bnhd")],
+                         ids=["64x96", "37x200", "128x64"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_path_against_separate_calls_and_fp64(kernel_path, dtype, dims, layout, stateful):
+    """Outputs, final states and the gradients of q, k, v and the initial states on the kernels,
+    against one ordinary call per sequence and the fp64 reference per sequence."""
+    dk, dv = dims
+    q, k, v, s0, gamma = kernel_inputs(dtype, dk, dv, layout)
+    g = torch.Generator().manual_seed(9)
+    w_out = torch.randn(q.shape[:3] + (dv,), generator=g, dtype=F64).to(dtype).to("cuda", F64)
+    w_state = torch.randn(len(KLENS), H, dk, dv, generator=g, dtype=F64).to("cuda")
+
+    def run(fn):
+        leaves = [x.detach().clone().requires_grad_() for x in ((q, k, v, s0) if stateful else (q, k, v))]
+        qq, kk, vv = leaves[:3]
+        ss = leaves[3] if stateful else s0
+        out, state = fn(qq, kk, vv, ss)
+        loss = (out.double() * w_out).sum()
+        if stateful:
+            loss = loss + (state.double() * w_state).sum()
+        return out.detach(), None if state is None else state.detach(), torch.autograd.grad(loss, leaves)
+
+    out, state, grads = run(lambda a, b, c, s: kernel_call(a, b, c, s, gamma, layout, stateful))
+    assert kernel_path == [False, False, True, True], "one forward and three backward passes on the kernels"
+    assert out.dtype == dtype and out.shape == q.shape[:3] + (dv,) and out.is_contiguous()
+    ro, rs, rg = run(lambda a, b, c, s: split_call(_by_reference(gamma, layout), a, b, c, s, layout, stateful))
+    oo, os_, og = run(lambda a, b, c, s: split_call(_by_ordinary_call(gamma, layout), a, b, c, s, layout, stateful))
+    assert_close(out, ro, dtype, "output vs fp64 reference", KN)
+    assert_close(out, oo, dtype, "output vs one call per sequence", KN)
+    if stateful:
+        assert state.dtype == torch.float32 and state.shape == (len(KLENS), H, dk, dv)
+        assert torch.equal(state[4], s0[4]), "an empty sequence returns its initial state"
+        assert_close(state, rs, dtype, "states vs fp64 reference", KN)
+        assert_close(state, os_, dtype, "states vs one call per sequence", KN)
+    for name, a, b, c in zip(("dq", "dk", "dv", "dinitial_state"), grads, rg, og):
+        assert_close(a, b, dtype, f"{name} vs fp64 reference", KN)
+        assert_close(a, c, dtype, f"{name} vs one call per sequence", KN)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_path_equals_the_torch_path(dtype):
+    """The kernels and rtkernels.varlen's torch path (run directly) agree; int64 offsets."""
+    from rtkernels import varlen as torch_varlen
+    from rtkernels.decay import LogDecay
+
+    q, k, v, s0, gamma = kernel_inputs(dtype, 64, 96, "bhnd", seed=3)
+    out, state = kernel_call(q, k, v, s0, gamma, "bhnd", True, cu_dtype=torch.int64)
+    log_decay = LogDecay(q.device, host=tuple(math.log(x) for x in GAMMAS))
+    to, ts = torch_varlen.varlen_attention(q, k, v, offsets(KLENS), log_decay, SCALE, s0, True, False)
+    ro, rs = split_call(_by_reference(gamma, "bhnd"), q, k, v, s0, "bhnd", True)
+    assert_close(out, ro, dtype, "kernels vs fp64", KN)
+    assert_close(to, ro, dtype, "torch path vs fp64", KN)
+    assert_close(out.double(), to.double(), dtype, "kernels vs torch path", KN)
+    assert_close(state, ts, dtype, "kernel states vs torch path states", KN)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_path_no_host_sync(kernel_path, dtype):
+    """Forward and backward on the kernels (q, k, v and the initial states require grad, a CUDA
+    gamma that does not) under set_sync_debug_mode("error")."""
+    q, k, v, s0, gamma = kernel_inputs(dtype, 64, 96, "bnhd", seed=4)
+    leaves = [x.requires_grad_() for x in (q, k, v, s0)]
+    cu = offsets(KLENS)
+
+    def step():
+        out, state = rtkernels.causal_linear_attention(q, k, v, gamma, layout="bnhd", initial_state=s0,
+                                                       return_state=True, cu_seqlens=cu)
+        (out.float().sum() + state.sum()).backward()
+
+    run_without_host_sync(step)
+    assert len(kernel_path) == 8
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in leaves)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_path_cuda_graph_replays_equal_to_eager(kernel_path, dtype):
+    """The kernel forward captured once, replayed with new offsets (same S) and new q."""
+    q, k, v, s0, gamma = kernel_inputs(dtype, 37, 200, "bhnd", seed=5)
+    cu = offsets(KLENS)
+    call = lambda: rtkernels.causal_linear_attention(q, k, v, gamma, scale=SCALE, initial_state=s0,  # noqa: E731
+                                                     return_state=True, cu_seqlens=cu)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, state = call()
+    for lens in (KLENS, (2000, 0, 1, 63, 64, 65), (KN - 7, 7, 0, 0, 0, 0)):
+        cu.copy_(offsets(lens))
+        q.copy_(torch.randn_like(q) * 37 ** -0.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_out, eager_state = call()
+        assert torch.equal(out, eager_out), f"replay differs from the eager call ({lens})"
+        assert torch.equal(state, eager_state), f"replayed states differ from the eager call ({lens})"
+        ro, rs = split_call(_by_reference(gamma, "bhnd"), q, k, v, s0, "bhnd", True, lens)
+        assert_close(out, ro, dtype, f"replay {lens}", KN)
+        assert_close(state, rs, dtype, f"replayed states {lens}", KN)
+
+
+def test_kernel_path_backward_captured_in_a_cuda_graph(kernel_path):
+    """Forward and backward (torch.autograd.grad) captured together, replayed equal to eager."""
+    q, k, v, s0, gamma = kernel_inputs(torch.bfloat16, 64, 96, "bhnd", seed=6)
+    cu = offsets(KLENS)
+    leaves = [x.requires_grad_() for x in (q, k, v, s0)]
+
+    def step():
+        out, state = rtkernels.causal_linear_attention(q, k, v, gamma, initial_state=s0, return_state=True,
+                                                       cu_seqlens=cu)
+        return torch.autograd.grad(out.float().sum() + (state * state).sum(), leaves)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    cu.copy_(offsets((2000, 0, 1, 63, 64, 65)))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, step()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("cu", [[0, 50, 10, KN], [3, 60, KN], [0, 60, KN - 1], [0, 60, 1 << 40], [-5, 60, KN]],
+                         ids=["decreasing", "late-start", "short-end", "huge", "negative"])
+def test_kernel_path_invalid_offsets_give_nan(kernel_path, dtype, cu):
+    """Invalid device offsets on the kernels: every output, state and gradient NaN, no fault."""
+    q, k, v, s0, gamma = kernel_inputs(dtype, 64, 96, "bhnd", lens=(KN,))
+    s0 = s0.repeat(len(cu) - 1, 1, 1, 1)
+    leaves = [x.requires_grad_() for x in (q, k, v, s0)]
+    out, state = rtkernels.causal_linear_attention(q, k, v, gamma, initial_state=s0, return_state=True,
+                                                   cu_seqlens=torch.tensor(cu, device="cuda"))
+    grads = torch.autograd.grad(out.float().sum() + state.sum(), leaves)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all() and torch.isnan(state).all()
+    assert all(torch.isnan(g).all() for g in grads)

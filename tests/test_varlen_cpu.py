@@ -277,3 +277,154 @@ def test_torch_compile_traces_the_varlen_path(monkeypatch, decay):
     torch.testing.assert_close(state, state_e)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+# ---- the chunk kernels' packed path (rtkernels.methods.chunk.packed): its pure-Python parts -------
+
+def test_chunk_shape_fields_match_the_header():
+    """CHUNK_FIELDS lists rtk_chunk_shape's fields after its rtk_fwd_shape, in the header's order."""
+    import re
+
+    from rtkernels.jit import source_dir
+    from rtkernels.methods.chunk.plan import CHUNK_FIELDS
+
+    body = re.search(r"struct rtk_chunk_shape \{(.*?)\};", (source_dir() / "chunk" / "modes.cuh").read_text(),
+                     re.S).group(1)
+    decls = [d.strip() for d in body.split(";") if d.strip()]
+    assert decls[0] == "rtk_fwd_shape f"
+    fields = [name for d in decls[1:] for name in re.findall(r"(\w+)\s*(?:,|$)", d.split("rtk_i64", 1)[1])]
+    assert tuple(fields) == CHUNK_FIELDS
+
+
+def test_packed_plan_never_splits_a_sequence(monkeypatch):
+    """Few long sequences and few heads (where an ordinary call splits the sequence): one segment."""
+    from rtkernels.methods.chunk import plan
+
+    monkeypatch.setattr(plan, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(plan, "_smem_limit", lambda dev: plan.SMEM_LIMIT_SM90)
+    plan.plan_launch.cache_clear()
+    try:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            for wgmma in (False, True):
+                over = plan.Overrides(wgmma=wgmma if dtype != torch.float32 else None)
+                assert plan.plan_launch(dtype, 64, 64, True, 2, 65536, 0, over).segments > 1
+                assert plan.packed_launch(dtype, 64, 64, True, 2, 65536, 0, over).segments == 1
+                assert plan.packed_launch(dtype, 64, 64, True, 2, 65536, 0,
+                                          plan.Overrides(segments=8, wgmma=False)).segments == 1
+    finally:
+        plan.plan_launch.cache_clear()
+
+
+@pytest.mark.parametrize("cu, ok", [([0, 5, 5, 12], True), ([0, 12], True), ([0, 0, 12, 12], True),
+                                    ([1, 5, 12], False), ([0, 5, 11], False), ([0, 6, 5, 12], False),
+                                    ([0, 5, 13], False)])
+@pytest.mark.parametrize("dtype", (torch.int32, torch.int64), ids=str)
+def test_packed_offsets_and_their_validity(cu, ok, dtype):
+    from rtkernels.methods.chunk import packed
+
+    cu64, valid = packed.offsets(torch.tensor(cu, dtype=dtype), 12)
+    assert cu64.dtype == torch.int64 and cu64.is_contiguous() and cu64.tolist() == cu
+    assert valid.dtype == torch.bool and valid.dim() == 0 and bool(valid) == ok
+
+
+def _packed_pass_in_torch(cu):
+    """A stand-in for packed.forward_pass on the CPU: each sequence through the backward's torch
+    forward pass (reversed ones on flipped copies), initial and final states per sequence."""
+    from rtkernels.methods.chunk import backward as kb
+
+    bounds = cu.tolist()
+
+    def run(q, k, v, log_decay, scale, out, initial_state, need_state, reverse, fp32_precision, packed):
+        assert packed[0].tolist() == bounds
+        states = []
+        for s in range(len(bounds) - 1):
+            lo, hi = bounds[s], bounds[s + 1]
+            s0 = None if initial_state is None else initial_state[s:s + 1]
+            if hi == lo:
+                states.append(torch.zeros(1, *out.shape[1:2], q.shape[3], v.shape[3], dtype=F64) if s0 is None
+                              else s0.to(F64))
+                continue
+            part = torch.empty_like(out[:, :, lo:hi])
+            st = kb.forward_pass(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], log_decay, scale, part, s0,
+                                 True, reverse, on_kernel=False)
+            out[:, :, lo:hi] = part
+            states.append(st.to(F64))
+        return torch.cat(states) if need_state else None
+
+    return run
+
+
+@pytest.mark.parametrize("with_s0", [True, False])
+def test_packed_backward_assembles_the_gradients(monkeypatch, with_s0):
+    """packed_backward (its three passes done per sequence in torch, fp64) against autograd through
+    the torch varlen path: dq, dk, dv and d(initial_state), with a gradient on the final states."""
+    from rtkernels.methods.chunk import packed
+
+    lens = (0, 1, 63, 0, 64, 65, 200, 0)
+    cu = offsets(lens)
+    n = sum(lens)
+    q, k, v, s0, gamma = packed_inputs = packed_inputs_f64(lens)
+    if not with_s0:
+        s0 = None
+    log_decay = LogDecay(torch.device("cpu"), host=tuple(math.log(x) for x in GAMMAS))
+    g = torch.Generator().manual_seed(5)
+    w_out = torch.randn(1, H, n, DV, generator=g, dtype=F64)
+    w_state = torch.randn(len(lens), H, DK, DV, generator=g, dtype=F64)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)] + ([s0.clone().requires_grad_()] if with_s0 else [])
+    out, state = varlen.varlen_attention(*leaves[:3], cu, log_decay, SCALE, leaves[3] if with_s0 else None, True,
+                                         True)
+    want = torch.autograd.grad((out * w_out).sum() + (state * w_state).sum(), leaves)
+
+    monkeypatch.setattr(packed, "forward_pass", _packed_pass_in_torch(cu))
+    got = packed.packed_backward(q, k, v, log_decay, SCALE, s0, w_out, w_state, with_s0, "exact",
+                                 packed.offsets(cu, n))
+    for name, a, b in zip(("dq", "dk", "dv", "dinitial_state"), got, want):
+        assert_close(a, b, F64, f"{name}: packed backward vs autograd of the torch path", n)
+    if not with_s0:
+        assert got[3] is None
+
+
+def packed_inputs_f64(lens):
+    q, k, v, s0, gamma = packed(lens, F64, "bhnd", seed=4)
+    return q, k, v, s0, gamma
+
+
+def test_packed_state_terms_against_a_loop():
+    """dk_j += gamma^(e_s - j) v_j G[s]^T, dv_j += gamma^(e_s - j) k_j G[s], with empty sequences and
+    gather blocks smaller than the batch."""
+    from rtkernels.methods.chunk import packed
+
+    lens = (3, 0, 5, 1, 0, 7)
+    cu = offsets(lens)
+    n = sum(lens)
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(1, H, n, DK, generator=g, dtype=F64), torch.randn(1, H, n, DV, generator=g, dtype=F64)
+    gs = torch.randn(len(lens), H, DK, DV, generator=g, dtype=F64)
+    lg = torch.log(torch.tensor(GAMMAS, dtype=F64))
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    old = packed.GATHER_BYTES
+    packed.GATHER_BYTES = 2 * H * DK * DV * 8  # two tokens per block
+    try:
+        packed._state_terms(dk, dv, k, v, gs, lg, cu)
+    finally:
+        packed.GATHER_BYTES = old
+    want_k, want_v = torch.zeros_like(k), torch.zeros_like(v)
+    bounds = cu.tolist()
+    for s in range(len(lens)):
+        for j in range(bounds[s], bounds[s + 1]):
+            w = torch.exp(lg * (bounds[s + 1] - 1 - j))[:, None]
+            want_k[0, :, j] = w * torch.einsum("hv,hkv->hk", v[0, :, j], gs[s])
+            want_v[0, :, j] = w * torch.einsum("hk,hkv->hv", k[0, :, j], gs[s])
+    torch.testing.assert_close(dk, want_k, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dv, want_v, rtol=1e-12, atol=1e-12)
+
+
+def test_cpu_inputs_never_take_the_kernel_path(monkeypatch):
+    from rtkernels.methods.chunk import packed
+
+    def no(*args, **kwargs):
+        raise AssertionError("the packed kernel path ran for CPU inputs")
+
+    monkeypatch.setattr(packed, "packed_attention", no)
+    q, k, v, s0, gamma = packed_inputs_f64((3, 4))
+    rtkernels.causal_linear_attention(q.float(), k.float(), v.float(), gamma, cu_seqlens=offsets((3, 4)))

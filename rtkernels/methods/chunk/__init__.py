@@ -30,7 +30,9 @@ torch path.
 
 The package: :mod:`.torch_path` (the torch path), :mod:`.plan` (instances, tiles, heuristics,
 the tune space, :class:`Overrides`), :mod:`.launch` (the planned call), :mod:`.backward` (the
-kernel backward: three forward passes and the dlog(gamma) kernel of :mod:`.decay_grad`).
+kernel backward: three forward passes and the dlog(gamma) kernel of :mod:`.decay_grad`),
+:mod:`.packed` (packed variable-length batches, ``cu_seqlens``: one CTA per sequence, head and
+value tile, forward and backward).
 """
 
 from . import decay_grad

@@ -1,0 +1,186 @@
+r"""Packed variable-length batches (``cu_seqlens``, :mod:`rtkernels.varlen`) on the chunk kernels.
+
+S sequences end to end in a ``[1, H, N, D]`` batch, sequence s being tokens ``cu[s] .. cu[s+1]-1``.
+The forward kernels take them as they are: one CTA per (sequence, head, value tile), grid.x = S * H
+where an ordinary call has B * H; the CTA reads ``cu[s]`` and ``cu[s+1]`` on the device
+(``rtk_chunk_rows_of`` in ``cuda_src/chunk/cta.cuh``), starts from its sequence's initial state
+(slot s * H + h of ``[S, H, Dk, Dv]``) and writes its final state there. Nothing reads an offset on
+the host: a call never syncs and can be captured in a CUDA graph.
+
+- The offsets go to the kernel as int64 (``cu.to(torch.int64)``, a device copy for int32) with a
+  device bool saying they are valid: ``cu[0] == 0``, ``cu[S] == N``, non-decreasing (a few small
+  torch ops, no sync). The kernel clamps each sequence into [0, N] (no out-of-bounds access for any
+  value); invalid offsets make every output and state NaN (sequence 0 takes every row, with a NaN
+  scale and NaN states), as the torch path's documented behaviour.
+- One segment per sequence: the split-sequence strategy needs each sequence's segment count, which
+  only the offsets know (:func:`.plan.packed_launch` never splits). A batch of a few long sequences
+  and few heads therefore fills fewer SMs than an ordinary call of the same sequences one by one
+  with split segments would.
+- Backward (:func:`packed_backward`): the three passes of :mod:`.backward` with the same offsets
+  (dq in token order, dk and dv reversed: the kernel maps sequence s to reversed rows
+  ``[N - cu[s+1], N - cu[s])``), so each pass restarts at every sequence boundary. The terms of the
+  final state's gradient G, ``dk_j += gamma^(e_s - j) v_j G[s]^T`` and ``dv_j += gamma^(e_s - j) k_j
+  G[s]`` (e_s the last token of j's sequence), are torch products over blocks of tokens with G
+  gathered per token (positions from ``searchsorted`` on the device), and ``dS_0[s] = scale gamma
+  R[s] + gamma^(len_s) G[s]`` with R the dv pass's final states.
+- A decay that requires grad (dlog gamma) is not taken here: the whole call runs the torch path
+  of :mod:`rtkernels.varlen` (the dlog(gamma) kernel has no packed form).
+
+Precision is that of the ordinary kernel call per sequence (16-bit operands and state copy, fp32
+state); outputs and gradients agree with one call per sequence to the input dtype's rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ...decay import LogDecay
+from ...jit.dtypes import compute_dtype
+from . import launch
+from .backward import _gradient_buffer, kernel_runs
+
+__all__ = ["takes", "offsets", "packed_attention", "packed_backward", "forward_pass", "GATHER_BYTES"]
+
+#: Bytes of G gathered per block of tokens in the backward's G terms (``[T, H, Dk, Dv]`` fp32).
+GATHER_BYTES = 1 << 27
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay) -> bool:
+    """Whether a packed call on these ``[1, H, N, D]`` views runs the kernels: CUDA fp16/bf16/fp32 the
+    chunk kernel takes (:func:`.backward.kernel_runs`), N > 0 and a decay without autograd history."""
+    return q.shape[2] > 0 and log_decay.source is None and kernel_runs(q, k, v)
+
+
+def offsets(cu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cu as contiguous int64, valid)`` on cu's device, ``valid`` a 0-dim bool: ``cu[0] == 0``,
+    ``cu[S] == n`` and non-decreasing. Device operations only (no sync)."""
+    cu64 = cu.to(torch.int64).contiguous()
+    valid = (cu64[0] == 0) & (cu64[-1] == n) & (cu64[1:] >= cu64[:-1]).all()
+    return cu64, valid
+
+
+def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
+                 out: torch.Tensor, initial_state: Optional[torch.Tensor], need_state: bool, reverse: bool,
+                 fp32_precision: str, packed: tuple[torch.Tensor, torch.Tensor]) -> Optional[torch.Tensor]:
+    """One kernel pass over the packed sequences (:func:`.launch.kernel_forward` with ``packed``):
+    ``out`` written, the ``[S, H, Dk, Dv]`` fp32 final states returned when ``need_state``."""
+    return launch.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state, fp32_precision,
+                                 reverse=reverse, packed=packed)
+
+
+class _PackedCall:
+    __slots__ = ("log_decay", "scale", "bnhd", "return_state", "fp32_precision", "packed")
+
+    def __init__(self, log_decay: LogDecay, scale: float, bnhd: bool, return_state: bool, fp32_precision: str,
+                 packed: tuple[torch.Tensor, torch.Tensor]):
+        self.log_decay, self.scale, self.bnhd, self.return_state = log_decay, scale, bnhd, return_state
+        self.fp32_precision, self.packed = fp32_precision, packed
+
+
+def _forward(call: _PackedCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    _, h, n, _ = q.shape
+    dv = v.shape[3]
+    out = torch.empty((1, n, h, dv) if call.bnhd else (1, h, n, dv), dtype=q.dtype, device=q.device)
+    state = forward_pass(q, k, v, call.log_decay, call.scale, out.transpose(1, 2) if call.bnhd else out,
+                         initial_state, call.return_state, False, call.fp32_precision, call.packed)
+    return out, state
+
+
+class PackedFunction(torch.autograd.Function):
+    """``(call, q, k, v, initial_state) -> (out, final states or None)`` on ``[1, H, N, D]`` views, the
+    output contiguous in the caller's layout. Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx, call: _PackedCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                initial_state: Optional[torch.Tensor]):
+        out, state = _forward(call, q, k, v, initial_state)
+        ctx.save_for_backward(q, k, v, initial_state)
+        ctx.call = call
+        ctx.set_materialize_grads(False)  # an unused state gets no G terms (a per-token gather)
+        if state is None:
+            return out, None
+        return out, state
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor, grad_state: Optional[torch.Tensor] = None):
+        q, k, v, s0 = ctx.saved_tensors
+        call = ctx.call
+        _, need_q, need_k, need_v, need_s0 = ctx.needs_input_grad
+        if grad_out is None:  # only the states reach the loss
+            _, h, n, _ = q.shape
+            grad_out = torch.zeros((1, n, h, v.shape[3]) if call.bnhd else (1, h, n, v.shape[3]), dtype=q.dtype,
+                                   device=q.device)
+        g = grad_out.transpose(1, 2) if call.bnhd else grad_out
+        dq, dk, dv, ds0 = packed_backward(q, k, v, call.log_decay, call.scale, s0, g,
+                                          grad_state if call.return_state else None, need_s0 and s0 is not None,
+                                          call.fp32_precision, call.packed)
+        return (None, dq if need_q else None, dk if need_k else None, dv if need_v else None,
+                ds0.to(s0.dtype) if need_s0 and s0 is not None else None)
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, log_decay: LogDecay,
+                     scale: float, initial_state: Optional[torch.Tensor], need_state: bool, bnhd: bool,
+                     fp32_precision: str, with_grad: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The packed call on the kernels (:func:`takes` holds): ``(output in the caller's layout, [S, H,
+    Dk, Dv] fp32 final states or None)``, through :class:`PackedFunction` when ``with_grad``."""
+    call = _PackedCall(log_decay, scale, bnhd, need_state, fp32_precision, offsets(cu, q.shape[2]))
+    if with_grad:
+        out, state = PackedFunction.apply(call, q, k, v, initial_state)
+    else:
+        out, state = _forward(call, q, k, v, initial_state)
+    return out, state
+
+
+def _state_terms(dk: torch.Tensor, dv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_state: torch.Tensor,
+                 lg: torch.Tensor, cu64: torch.Tensor) -> None:
+    """``dk_j += gamma^(e_s - j) v_j G[s]^T`` and ``dv_j += gamma^(e_s - j) k_j G[s]`` in place, s the
+    sequence of token j and e_s its last token (``[1, H, N, D]`` views, G ``[S, H, Dk, Dv]`` and ``lg``
+    ``[H]`` in the compute dtype). Positions come from the device offsets (clamped: any values index
+    in range); G is gathered per token in blocks of at most :data:`GATHER_BYTES`, each block's sum
+    rounded once into the 16-bit gradients."""
+    _, h, n, dkk = k.shape
+    s, dvv = g_state.shape[0], g_state.shape[3]
+    idx = torch.arange(n, device=k.device)
+    seg = torch.searchsorted(cu64[1:], idx, right=True).clamp_(max=s - 1)
+    last = (cu64[1:] - 1).clamp(0, n - 1).index_select(0, seg)       # e_s of each token
+    to_end = torch.exp(lg[:, None] * (last - idx).clamp(min=0).to(lg.dtype))[..., None]  # [H, N, 1]
+    g_h = g_state.transpose(0, 1)                                    # [H, S, Dk, Dv]
+    step = max(1, GATHER_BYTES // (h * dkk * dvv * g_state.element_size()))
+    for a in range(0, n, step):
+        rows = slice(a, a + step)
+        gs = g_h.index_select(1, seg[rows])                              # [H, T, Dk, Dv]
+        w = to_end[:, rows]
+        x = v[0, :, rows, None, :].to(gs.dtype) @ gs.transpose(-1, -2)   # [H, T, 1, Dk]
+        dk[0, :, rows].add_(w * x[:, :, 0])
+        x = k[0, :, rows, None, :].to(gs.dtype) @ gs                     # [H, T, 1, Dv]
+        dv[0, :, rows].add_(w * x[:, :, 0])
+
+
+def packed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
+                    initial_state: Optional[torch.Tensor], grad_out: torch.Tensor, grad_state: Optional[torch.Tensor],
+                    need_state_grad: bool, fp32_precision: str, packed: tuple[torch.Tensor, torch.Tensor]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``(dq, dk, dv, dS_0 or None)`` of a packed call (module docstring): dq, dk, dv in the input
+    dtype with the strides of q, k, v where dense, dS_0 ``[S, H, Dk, Dv]`` in fp32."""
+    cdt = compute_dtype(q.dtype)
+    dq, dk, dv = (_gradient_buffer(x, q.dtype) for x in (q, k, v))
+    s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
+    mode = fp32_precision
+    forward_pass(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, mode, packed)
+    forward_pass(v, grad_out, q, log_decay, scale, dk, None, False, True, mode, packed)
+    back = forward_pass(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, mode, packed)
+    lg = log_decay.tensor(cdt) if need_state_grad or grad_state is not None else None
+    d_s0 = back * (scale * torch.exp(lg)).view(-1, 1, 1) if need_state_grad else None
+    if grad_state is not None:
+        cu64 = packed[0]
+        g_state = grad_state.to(cdt)
+        _state_terms(dk, dv, k, v, g_state, lg, cu64)
+        if need_state_grad:
+            lens = (cu64[1:] - cu64[:-1]).clamp(0, q.shape[2]).to(cdt)
+            d_s0 = d_s0 + torch.exp(lg[None, :] * lens[:, None])[..., None, None] * g_state
+    return dq, dk, dv, d_s0
