@@ -319,6 +319,72 @@ def _drive_decode() -> Optional[str]:
     return None
 
 
+def _grads_close(got, want, what):
+    """Each gradient of ``got`` against the fp64 one of ``want`` (relative Frobenius error < 5e-2)."""
+    torch = _torch()
+    for i, (x, y) in enumerate(zip(got, want)):
+        err = float((x.double() - y).norm() / y.norm().clamp(min=1e-30))
+        _expect(bool(torch.isfinite(x).all()) and err < 5e-2, f"{what}: gradient {i} relative error {err:.3g}")
+
+
+def _drive_packed() -> Optional[str]:
+    """Packed sequences (cu_seqlens) on the chunk kernels: lengths 0, 1, 63, 65, 130 in one batch,
+    forward with initial and final states, backward (three passes, two reversed), 16-bit and fp32,
+    against the fp64 torch path of the same packed call."""
+    import rtkernels
+
+    torch = _torch()
+    lens = [65, 0, 1, 130, 63]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+    n, h = sum(lens), 3
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        for dk, dv in ((64, 96), (37, 130), (128, 128)):
+            q, k, v = _qkv(1, h, n, dk, dv, dt, seed=dk)
+            s0 = torch.randn(len(lens), h, dk, dv, device="cuda") / 4
+            decay = torch.linspace(0.5, 0.999, h, device="cuda")
+            leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, s0)]
+            out, fin = rtkernels.causal_linear_attention(*leaves[:3], decay, scale=0.7, initial_state=leaves[3],
+                                                         return_state=True, cu_seqlens=cu)
+            ref = [x.detach().double().requires_grad_(True) for x in (q, k, v, s0)]
+            want, want_fin = rtkernels.causal_linear_attention(*ref[:3], decay.double(), scale=0.7,
+                                                               initial_state=ref[3], return_state=True, cu_seqlens=cu)
+            what = f"packed {dt} {dk}x{dv}"
+            _grads_close([out, fin], [want, want_fin], what + " forward")
+            w = torch.randn_like(out, dtype=torch.float32)
+            ((out.float() * w).sum() + fin.sum()).backward()
+            ((want * w.double()).sum() + want_fin.sum()).backward()
+            _grads_close([x.grad for x in leaves], [x.grad for x in ref], what)
+    return None
+
+
+def _drive_normalize() -> Optional[str]:
+    """linear_attention's fused normalization (cuda_src/normalize/fwd.cu, bwd.cu): both features,
+    both layouts, odd widths, forward and backward, against the fp64 torch path."""
+    import rtkernels
+
+    torch = _torch()
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        for feature in ("identity", "1+qk"):
+            for layout, (b, h, n, dk, dv) in (("bhnd", (2, 3, 97, 37, 40)), ("bnhd", (1, 2, 130, 64, 128))):
+                q, k, v = _qkv(b, h, n, dk, dv, dt, seed=n)
+                q, k = (torch.nn.functional.elu(x.float()).add(1).to(dt) for x in (q, k))  # positive features
+                if layout == "bnhd":
+                    q, k, v = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+                decay = torch.linspace(0.5, 0.999, h, device="cuda")
+                leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+                ref = [x.detach().double().requires_grad_(True) for x in (q, k, v)]
+                kw = {"scale": 0.3, "feature": feature, "layout": layout}
+                out = rtkernels.linear_attention(*leaves, decay, **kw)
+                want = rtkernels.linear_attention(*ref, decay.double(), **kw)
+                what = f"normalize {dt} {feature} {layout}"
+                _grads_close([out], [want], what + " forward")
+                w = torch.randn_like(out, dtype=torch.float32)
+                (out.float() * w).sum().backward()
+                (want * w.double()).sum().backward()
+                _grads_close([x.grad for x in leaves], [x.grad for x in ref], what)
+    return None
+
+
 #: group -> (driver, what it exercises).
 GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
     "fwd16-mma": (lambda: _drive_fwd16(False),
@@ -337,6 +403,10 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
     "fleet": (lambda: _drive_method("fleet"), "scan.cu rank tiles + fleet.cu reduction"),
     "block": (lambda: _drive_method("block"), "block.cu, BV 32 and 64"),
     "decode": (_drive_decode, "decode.cu (pool, indices with padding)"),
+    "packed": (_drive_packed, "chunk kernels on packed sequences (cu_seqlens, empty ones included): forward, "
+                              "states, backward; fp32/fp16/bf16"),
+    "normalize": (_drive_normalize, "normalize/fwd.cu + normalize/bwd.cu (linear_attention), both features "
+                                    "and layouts, forward and backward"),
 }
 
 
