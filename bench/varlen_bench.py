@@ -98,6 +98,7 @@ def main() -> None:
 
         fwdbwd = _time(step, args.reps)
         rows.append({"impl": name, "fwd_ms": fwd, "fwdbwd_ms": fwdbwd})
+        print(f"{name}: fwd {fwd:.3f} ms, fwd+bwd {fwdbwd:.3f} ms", flush=True)
     one = {r["impl"].split()[0]: r for r in rows if r["impl"].endswith("one sequence")}
     print(f"varlen: {args.seqs} sequences, lengths {lens}, N = {n}, H = {H}, D = {D}, bf16, "
           f"{torch.cuda.get_device_name()}; packed vs separate calls rel err {err:.2e}")
