@@ -53,7 +53,7 @@ class _Recorder:
     """Stands in for ``ChunkLaunch``: records the Launch its pass would compile and bind."""
 
     def __init__(self, q, k, v, log_decay, scale, out, need_state, reverse=False, fp32_precision="exact",
-                 tuned=None):
+                 tuned=None, sequences=None):
         b, h, n, dk = q.shape
         self.launch = launch.pass_launch(q.dtype, b, h, n, dk, v.shape[-1], q.device.index, True, True, tuned)
 
