@@ -14,6 +14,7 @@ from .methods import METHODS
 from .methods.chunk import backward as _chunk_backward  # puts the kernel backward first in BACKWARD_IMPLS
 from .methods.chunk import decay_grad as _chunk_decay_grad
 from . import ops as ops  # the torch.library ops; the call routes to them under torch.compile / torch.func
+from . import decode_op as _decode_op  # the decode step's op; decode routes to it under torch.compile
 
 # Former module names, kept working: rtkernels.kernel_backward and rtkernels.decay_grad now live
 # in the chunk method's package.

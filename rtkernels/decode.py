@@ -30,7 +30,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from . import call_cache
-from .api import Array, _check_inputs, _check_scale, _check_storage, _fmt_dtype, _log_decay, _results, _to_torch
+from .api import (Array, _check_inputs, _check_scale, _check_storage, _fmt_dtype, _func_active, _is_compiling,
+                  _log_decay, _results, _to_torch)
 from .call_cache import _NO_KEY as NO_KEY, _decay_key as decay_key
 from .decay import LogDecay
 from .jit import BoundLaunch, dtype_code, get_function, kernels_available
@@ -52,6 +53,11 @@ _KMAX = (32, 64, 128, 256)   # state rows a CTA holds (template KMAX): the next 
 _THREADS = 128               # threads per CTA (rtk_decode_step's NT)
 _COLUMN_THREADS = 8          # threads along a state row (CT): a CTA holds 8 * VEC value columns
 _INDEX_MODES = {None: 0, torch.int32: 1, torch.int64: 2}
+
+#: The step as one ``torch.library`` op, set by :mod:`rtkernels.decode_op` (which imports this
+#: module): taken while torch.compile / torch.export trace the step (and for torch.func transforms,
+#: which it refuses); NotImplemented from inside the op, whose kernel is the eager step.
+op_call: Optional[Callable[..., Any]] = None
 
 
 def name_expression(dtype_code_: int, kmax: int, vec: int) -> str:
@@ -86,10 +92,12 @@ def _check_pool(state: Any, q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return s
 
 
-def _check_indices(indices: Any, b: int, slots: int, device: torch.device) -> Optional[torch.Tensor]:
+def _check_indices(indices: Any, b: int, slots: int, device: torch.device, values: bool = True
+                   ) -> Optional[torch.Tensor]:
     """The ``[B]`` slot indices (None: row b), checked. Indices on the CPU are also range-checked
-    and checked for repeats; on a GPU that would cost a sync, so the kernel skips rows outside the
-    pool instead (see :func:`decode`)."""
+    and checked for repeats (unless ``values`` is False: the op's fake implementation has no
+    values); on a GPU that would cost a sync, so the kernel skips rows outside the pool instead
+    (see :func:`decode`)."""
     if indices is None:
         if slots < b:
             raise ValueError(f"state must have at least B = {b} rows when state_indices is None "
@@ -107,7 +115,7 @@ def _check_indices(indices: Any, b: int, slots: int, device: torch.device) -> Op
         raise ValueError(f"state_indices must have shape [B] = [{b}], got {tuple(t.shape)}")
     if t.device != device:
         raise ValueError(f"state_indices must be on the device of q ({device}), got {t.device}")
-    if t.device.type == "cpu":  # known on the host: checked for free
+    if values and t.device.type == "cpu":  # known on the host: checked for free
         rows = [i for i in t.tolist() if i >= 0]
         if any(i >= slots for i in rows):
             raise ValueError(f"state_indices must be < S = {slots} (the rows of the pool) or negative "
@@ -284,6 +292,10 @@ def decode(q: Array, k: Array, v: Array, state: Array, decay: Union[None, float,
         mode is on and a tensor argument requires grad (the step has no backward). NaN is data: a
         NaN in q_t reaches o_t, one in k_t or v_t the state and every later output.
     """
+    if (_is_compiling() or _func_active()) and op_call is not None:  # traced: one op that mutates the pool
+        res = op_call(q, k, v, state, decay, decay_rate, scale, state_indices, layout)
+        if res is not NotImplemented:
+            return res
     key = _signature(q, k, v, state, decay, decay_rate, scale, state_indices, layout)
     if key is not None:
         hit = call_cache.lookup(key)

@@ -285,3 +285,24 @@ def test_launches_one_kernel_on_the_current_stream():
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     names = [e.name for e in kernels]
     assert len(kernels) == 1 and "rtk_decode_step" in names[0], names
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+def test_compiled_step_equals_eager(dtype):
+    """torch.compile(fullgraph=True) takes the step whole (torch.ops.rtkernels.decode, mutating the
+    pool): the output and the updated pool equal the eager step's bit for bit (the same kernel)."""
+    g = torch.Generator(device="cpu").manual_seed(11)
+    b, h, t, dk, dv = 3, 4, 2, 64, 96
+    q, k = ((torch.randn(b, t, h, dk, generator=g) / 8).to("cuda", dtype) for _ in range(2))
+    v = torch.randn(b, t, h, dv, generator=g).to("cuda", dtype)
+    pool = (torch.randn(5, h, dk, dv, generator=g) / 4).cuda()
+    idx = torch.tensor([4, -1, 0], dtype=torch.int32, device="cuda")
+    gamma = torch.linspace(0.9, 0.999, h, device="cuda")
+
+    def step(q, k, v, pool):
+        return rtkernels.decode(q, k, v, pool, gamma, scale=0.3, state_indices=idx, layout="bnhd")
+
+    eager_pool = pool.clone()
+    want = step(q, k, v, eager_pool)
+    got = torch.compile(step, fullgraph=True)(q, k, v, pool)
+    assert torch.equal(got, want) and torch.equal(pool, eager_pool)
