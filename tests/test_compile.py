@@ -4,6 +4,8 @@ This runs without a GPU (NVRTC through ``cupy.cuda.nvrtc``) and must execute in 
 skipped when CuPy is missing, it fails.
 """
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,11 +28,25 @@ def test_every_source_has_instances():
     assert set(all_instances()) == set(list_sources()), "a .cu file no method asks for, or a missing one"
 
 
+@pytest.fixture(scope="module")
+def compiled(request):
+    """The (source, arch) pairs of the session's selected ``test_compiles`` cases, compiled on as
+    many threads as there are cores, largest source first: NVRTC releases the GIL, so CI's two
+    cores take half the time of one compile after another. Maps each pair to its future."""
+    pairs = {(item.callspec.params["source"], item.callspec.params["arch"]) for item in request.session.items
+             if getattr(item, "originalname", None) == "test_compiles"}
+    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1)
+    futures = {pair: pool.submit(compile_offline, pair[0], all_instances()[pair[0]], pair[1])
+               for pair in sorted(pairs, key=lambda pair: -len(load_source(pair[0])))}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("source", sorted(all_instances()))
-def test_compiles(source, arch):
+def test_compiles(source, arch, compiled):
     names = all_instances()[source]
-    prog = compile_offline(source, names, arch)
+    prog = compiled[(source, arch)].result()
     assert len(prog.cubin) > 1000
     assert set(prog.lowered_names) == set(names)
     for lowered in prog.lowered_names.values():
