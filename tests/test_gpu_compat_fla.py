@@ -96,3 +96,43 @@ def test_against_fla(name, dtype):
     if fla_wrong:  # seen: fla 0.6.0's bf16 chunk dv on Triton 3.6 / Hopper (fla warns of Triton < 3.7.1 there)
         pytest.xfail(f"fla's own result is off the fp64 reference (relative error: {', '.join(fla_wrong)}); "
                      f"rtkernels matches fp64 and fla everywhere else")
+
+LENS = (65, 1, 0, 130, 63, 200)  # packed sequences: an empty one, a partial last chunk, one token
+
+
+@pytest.mark.parametrize("name", ["chunk_simple_gla", "fused_recurrent_simple_gla"])
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=str)
+def test_packed_against_fla(name, dtype):
+    """cu_seqlens on both libraries (fla's packed form: [1, T, H, D] inputs, [S, H, K, V] states):
+    outputs, final states and the gradients of q, k, v and the initial states agree, and each
+    sequence equals its own unpacked call here."""
+    simple_gla = pytest.importorskip("fla.ops.simple_gla")
+    theirs = getattr(simple_gla, name)
+    ours = {"chunk_simple_gla": chunk_simple_gla, "fused_recurrent_simple_gla": fused_recurrent_simple_gla}[name]
+    g = torch.Generator().manual_seed(9)
+    n, s = sum(LENS), len(LENS)
+    cu = torch.tensor([0, *torch.tensor(LENS).cumsum(0).tolist()], dtype=torch.int64, device="cuda")
+    base = [(torch.randn(1, n, H, K, generator=g) / K ** 0.25).to("cuda", dtype) for _ in range(2)]
+    base.append(torch.randn(1, n, H, V, generator=g).to("cuda", dtype))
+    base.append((torch.randn(s, H, K, V, generator=g) / K ** 0.5).cuda())
+    g_gamma = torch.tensor(LOG_DECAY, device="cuda")
+    w = (torch.randn(1, n, H, V, generator=g).cuda(), torch.randn(s, H, K, V, generator=g).cuda())
+
+    def run(call):
+        leaves = [t.detach().clone().requires_grad_() for t in base]
+        o, state = call(*leaves[:3], g_gamma=g_gamma, scale=0.3, initial_state=leaves[3], output_final_state=True,
+                        cu_seqlens=cu)
+        loss = (o.float() * w[0]).sum() + (state.float() * w[1]).sum()
+        return (o, state, *torch.autograd.grad(loss, leaves))
+
+    got, fla = run(ours), run(theirs)
+    tol = 5e-2 if dtype == torch.bfloat16 else 2e-2
+    for what, a, b in zip(("o", "final_state", "dq", "dk", "dv", "dinitial_state"), got, fla):
+        a, b = a.double(), b.double()
+        assert a.shape == b.shape, (what, a.shape, b.shape)
+        assert (a - b).norm() <= tol * b.norm(), f"{what}: rtkernels and fla differ by {(a - b).norm() / b.norm():.3g}"
+    for i, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o, state = ours(*(t[:, lo:hi] for t in base[:3]), g_gamma=g_gamma, scale=0.3,
+                        initial_state=base[3][i:i + 1], output_final_state=True)
+        assert_close(got[0][:, lo:hi], o.double(), dtype, f"sequence {i} output")
+        assert_close(got[1][i:i + 1], state.double(), dtype, f"sequence {i} state")
