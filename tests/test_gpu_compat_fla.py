@@ -134,5 +134,6 @@ def test_packed_against_fla(name, dtype):
     for i, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         o, state = ours(*(t[:, lo:hi] for t in base[:3]), g_gamma=g_gamma, scale=0.3,
                         initial_state=base[3][i:i + 1], output_final_state=True)
-        assert_close(got[0][:, lo:hi], o.double(), dtype, f"sequence {i} output")
-        assert_close(got[1][i:i + 1], state.double(), dtype, f"sequence {i} state")
+        if hi > lo:
+            assert_close(got[0][:, lo:hi], o.double(), dtype, f"sequence {i} output")
+        assert_close(got[1][i:i + 1], state.double(), dtype, f"sequence {i} state")  # empty: its initial state
