@@ -9,6 +9,8 @@ bench/sanitize.py --drive GROUP``, parses each report, and writes two tables to 
 (markdown) and stdout: group x tool (errors; racecheck: errors and warnings) and kernel source x
 tool (errors attributed to the kernels of each ``cuda_src/`` file by the names in the report).
 A source no driver launched shows as "not run", so a new kernel without a driver is visible.
+The summary is rewritten after each finished (tool, group) run, the slow tools first, so a sweep
+stopped from outside (a time limit) leaves the table of what finished ("—" for the rest).
 Every driver first runs once without the sanitizer: it compiles the kernels into a shared
 ``RTKERNELS_CACHE_DIR`` (a temporary one unless set) and must pass its own checks against the
 library's fp64 path. Exit status: 0 clean, 1 errors or a failed driver, 2 no sanitizer or no GPU.
@@ -566,8 +568,11 @@ def main(argv: Optional[list] = None) -> int:
             state = "skipped: " + skip if skip else ("ok" if rc == 0 else f"FAILED rc={rc}")
             print(f"[plain] {g}: {state}, {len(kernels)} kernels, {secs:.0f} s", flush=True)
 
-    # 2. every tool over every driver that ran
-    jobs = [(t, g) for t in tools for g in groups if info[g]["rc"] == 0 and not info[g]["skip"]]
+    # 2. every tool over every driver that ran; the slow tools first (racecheck, initcheck: minutes
+    # on the larger groups), so that a run cut short by its caller has the long ones behind it
+    slow_first = sorted(tools, key=lambda t: ("racecheck", "initcheck", "memcheck", "synccheck").index(t)
+                        if t in TOOLS else len(TOOLS))
+    jobs = [(t, g) for t in slow_first for g in groups if info[g]["rc"] == 0 and not info[g]["skip"]]
     results: dict[tuple, dict] = {}
 
     def sanitize(job):
@@ -586,13 +591,16 @@ def main(argv: Optional[list] = None) -> int:
         (logs / f"{g}.{tool}.stdout").write_text(text)
         return job, res
 
+    out.parent.mkdir(parents=True, exist_ok=True)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for (tool, g), res in pool.map(sanitize, jobs):
+        for done in concurrent.futures.as_completed([pool.submit(sanitize, job) for job in jobs]):
+            (tool, g), res = done.result()
             results[(tool, g)] = res
             print(f"[{tool}] {g}: {_cell(res)} ({res['seconds']:.0f} s)", flush=True)
+            # the summary so far ("—": not finished), so a sweep stopped from outside leaves one
+            out.write_text(_summary(tools, groups, info, results, list_sources(), sanitizer, logs, args))
 
     text = _summary(tools, groups, info, results, list_sources(), sanitizer, logs, args)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)
     print(f"summary: {out}\nlogs: {logs}")
