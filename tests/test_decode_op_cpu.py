@@ -119,3 +119,17 @@ def test_eager_step_never_takes_the_op(monkeypatch):
 
     monkeypatch.setattr(rtkernels.decode_op, "decode_op", boom)
     rtkernels.decode(q, k, v, pool, 0.9)
+
+
+def test_export_keeps_the_op_and_its_mutation():
+    class Step(torch.nn.Module):
+        def forward(self, q, k, v, pool):
+            return rtkernels.decode(q, k, v, pool, 0.9, scale=0.5)
+
+    q, k, v, pool = _step_inputs()
+    ep = torch.export.export(Step(), (q, k, v, pool.clone()))
+    assert "torch.ops.rtkernels.decode" in ep.graph_module.code
+    got_pool, want_pool = pool.clone(), pool.clone()
+    got = ep.module()(q, k, v, got_pool)
+    want = Step()(q, k, v, want_pool)
+    assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
