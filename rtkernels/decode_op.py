@@ -26,8 +26,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from .api import _check_factor_or_rate, _check_inputs, _check_scale, _is_number
-from .decay import KIND_FACTOR, KIND_RATE
+from .api import _check_factor_or_rate, _check_inputs, _check_scale
+from .decay import KIND_RATE
+from .ops import decay_operands
 
 __all__ = ["decode_op"]
 
@@ -82,18 +83,7 @@ def _route(q: Any, k: Any, v: Any, state: Any, decay: Any, decay_rate: Any, scal
         if not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor under torch.compile and torch.export "
                             f"(CUDA arrays such as CuPy's are taken by the eager call only), got {type(x).__name__}")
-    if decay is not None and decay_rate is not None:
-        raise ValueError("pass decay (factors gamma) or decay_rate (rates r, gamma = exp(-r)), not both")
-    name, given, kind = ("decay_rate", decay_rate, KIND_RATE) if decay_rate is not None else ("decay", decay, KIND_FACTOR)
-    tensor, value = None, None
-    if isinstance(given, Tensor):
-        tensor = given
-    elif isinstance(given, _PLAIN_NUMBERS) and not isinstance(given, bool):
-        value = torch.sym_float(given)  # a symbolic float (dynamic=True) stays one
-    elif given is not None:
-        if not _is_number(given):
-            raise TypeError(f"{name} must be a float or a tensor of shape [H], got {type(given).__name__}")
-        value = float(given)
+    tensor, kind, value = decay_operands(decay, decay_rate)
     if state_indices is not None and not isinstance(state_indices, Tensor):
         raise TypeError(f"state_indices must be None or an int32 tensor of shape [B], got {type(state_indices).__name__}")
     if not isinstance(layout, str):

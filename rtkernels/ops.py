@@ -50,7 +50,7 @@ from .autograd import _Call, call_gradients
 from .decay import KIND_FACTOR, KIND_RATE, LogDecay
 from .jit.dtypes import compute_dtype
 
-__all__ = ["causal_linear_attention", "forward_op", "backward_op"]
+__all__ = ["causal_linear_attention", "forward_op", "backward_op", "decay_operands"]
 
 #: Numbers passed to the op as they are, symbolic ones included (dynamo traces a SymFloat as a
 #: float); a plain float is checked by the fake implementation, a symbolic one when the op runs.
@@ -230,6 +230,25 @@ def _backward_vmap(info, in_dims, grad_out, grad_state, q, k, v, decay, decay_ki
     return res, (0, 0, 0, None, 0 if need_state else None)
 
 
+def decay_operands(decay: Any, decay_rate: Any) -> tuple[Optional[Tensor], int, Any]:
+    """A public call's ``decay`` / ``decay_rate`` as an op's operands ``(tensor or None, kind, number
+    or None)``: a tensor as it is, a number as a float (a symbolic one stays symbolic), the kind
+    :data:`~rtkernels.decay.KIND_FACTOR` or :data:`~rtkernels.decay.KIND_RATE`. TypeError / ValueError
+    for both given or a value of another type."""
+    if decay is not None and decay_rate is not None:
+        raise ValueError("pass decay (factors gamma) or decay_rate (rates r, gamma = exp(-r)), not both")
+    name, given, kind = ("decay_rate", decay_rate, KIND_RATE) if decay_rate is not None else ("decay", decay, KIND_FACTOR)
+    if isinstance(given, Tensor):
+        return given, kind, None
+    if isinstance(given, _PLAIN_NUMBERS) and not isinstance(given, bool):
+        return None, kind, torch.sym_float(given)  # a symbolic float (dynamic=True) stays one
+    if given is not None:
+        if not _is_number(given):
+            raise TypeError(f"{name} must be a float or a tensor of shape [H], got {type(given).__name__}")
+        return None, kind, float(given)
+    return None, kind, None
+
+
 def _route(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, method: Any, layout: Any,
            initial_state: Any, return_state: Any, fp32_precision: Any) -> Any:
     """The public call's arguments to the forward op (:data:`rtkernels.api.op_call`); NotImplemented
@@ -247,18 +266,7 @@ def _route(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, meth
         if not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor under torch.compile, torch.export and torch.func "
                             f"(CUDA arrays such as CuPy's are taken by the eager call only), got {type(x).__name__}")
-    if decay is not None and decay_rate is not None:
-        raise ValueError("pass decay (factors gamma) or decay_rate (rates r, gamma = exp(-r)), not both")
-    name, given, kind = ("decay_rate", decay_rate, KIND_RATE) if decay_rate is not None else ("decay", decay, KIND_FACTOR)
-    tensor, value = None, None
-    if isinstance(given, Tensor):
-        tensor = given
-    elif isinstance(given, _PLAIN_NUMBERS) and not isinstance(given, bool):
-        value = torch.sym_float(given)  # a symbolic float (dynamic=True) stays one
-    elif given is not None:
-        if not _is_number(given):
-            raise TypeError(f"{name} must be a float or a tensor of shape [H], got {type(given).__name__}")
-        value = float(given)
+    tensor, kind, value = decay_operands(decay, decay_rate)
     if initial_state is not None and not isinstance(initial_state, Tensor):
         raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
     for arg, argname in ((method, "method"), (layout, "layout")):
