@@ -62,7 +62,7 @@ per-token state is ever formed.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -75,7 +75,7 @@ from . import launch, plan
 from .decay_grad import kernel_log_decay_grad
 from .torch_path import torch_forward
 
-__all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "kernel_backward", "supports", "register"]
+__all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "gradient_passes", "kernel_backward", "supports", "register"]
 
 #: The G terms are added over this many token blocks (bounding their fp32 temporaries).
 STATE_TERM_BLOCKS = 8
@@ -139,6 +139,27 @@ def _add_state_term(dst: torch.Tensor, x: torch.Tensor, m: torch.Tensor, lg: tor
         dst[:, :, rows].add_(to_end[:, rows] * (x[:, :, rows].to(m.dtype) @ m))
 
 
+def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    log_decay: LogDecay, scale: float, initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
+                    grad_state: Optional[torch.Tensor], need_state_grad: bool, dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The three passes of the module docstring, each ``run(q, k, v, log_decay, scale, out,
+    initial_state, need_state, reverse)`` (a forward pass into ``out``; :func:`forward_pass` here,
+    the packed one for ``cu_seqlens``): ``(dq, dk, dv, scale gamma R or None, log(gamma) or None)``,
+    dq, dk, dv in ``dtype``, R the dv pass's final state (the start of dS_0, without the G term),
+    log(gamma) in the compute dtype where the G terms or dS_0 need it."""
+    cdt = compute_dtype(q.dtype)
+    dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
+    s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
+    run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False)
+    run(v, grad_out, q, log_decay, scale, dk, None, False, True)
+    back = run(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True)
+    # log(gamma) in torch only where the state terms need it (a device decay costs several ops)
+    lg = log_decay.tensor(cdt) if need_state_grad or grad_state is not None else None
+    d_s0 = back.to(cdt) * (scale * torch.exp(lg)).view(-1, 1, 1) if need_state_grad else None
+    return dq, dk, dv, d_s0, lg
+
+
 def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                     initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
                     grad_state: Optional[torch.Tensor], need_state_grad: bool, need_decay_grad: bool,
@@ -151,16 +172,12 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     cdt = compute_dtype(q.dtype)
     n = q.shape[2]
     on_kernel = kernel_runs(q, k, v, grad_out)
-    dtype = q.dtype if on_kernel else cdt
-    dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
-    s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
-    mode = fp32_precision
-    forward_pass(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, mode, on_kernel)
-    forward_pass(v, grad_out, q, log_decay, scale, dk, None, False, True, mode, on_kernel)
-    back = forward_pass(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, mode, on_kernel)
-    # log(gamma) in torch only where the state terms need it (a device decay costs several ops)
-    lg = log_decay.tensor(cdt) if need_state_grad or grad_state is not None else None
-    d_s0 = back.to(cdt) * (scale * torch.exp(lg)).view(-1, 1, 1) if need_state_grad else None
+
+    def run(*args):  # one pass: the kernel where it takes the operands, else the torch path
+        return forward_pass(*args, fp32_precision, on_kernel)
+
+    dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
+                                           need_state_grad, q.dtype if on_kernel else cdt)
     if grad_state is not None:
         g_state = grad_state.to(cdt)
         _add_state_term(dk, v, g_state.transpose(-1, -2), lg)

@@ -40,7 +40,7 @@ from torch.autograd.function import once_differentiable
 from ...decay import LogDecay
 from ...jit.dtypes import compute_dtype
 from . import launch
-from .backward import _gradient_buffer, kernel_runs
+from .backward import gradient_passes, kernel_runs
 
 __all__ = ["takes", "offsets", "packed_attention", "packed_backward", "forward_pass", "GATHER_BYTES"]
 
@@ -168,14 +168,12 @@ def packed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     """``(dq, dk, dv, dS_0 or None)`` of a packed call (module docstring): dq, dk, dv in the input
     dtype with the strides of q, k, v where dense, dS_0 ``[S, H, Dk, Dv]`` in fp32."""
     cdt = compute_dtype(q.dtype)
-    dq, dk, dv = (_gradient_buffer(x, q.dtype) for x in (q, k, v))
-    s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
-    mode = fp32_precision
-    forward_pass(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, mode, packed)
-    forward_pass(v, grad_out, q, log_decay, scale, dk, None, False, True, mode, packed)
-    back = forward_pass(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, mode, packed)
-    lg = log_decay.tensor(cdt) if need_state_grad or grad_state is not None else None
-    d_s0 = back * (scale * torch.exp(lg)).view(-1, 1, 1) if need_state_grad else None
+
+    def run(*args):  # one kernel pass over the same sequences
+        return forward_pass(*args, fp32_precision, packed)
+
+    dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
+                                           need_state_grad, q.dtype)
     if grad_state is not None:
         cu64 = packed[0]
         g_state = grad_state.to(cdt)
