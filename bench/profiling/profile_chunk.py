@@ -4,13 +4,15 @@
     python bench/profiling/profile_chunk.py top FILE.csv    # the SASS lines with the most stall samples
 
 CASE: mid (4,32,4096,128) bf16, long (1,32,16384,128) bf16, f32 (4,32,4096,128) fp32 exact,
-tf32 (same, TF32 mode). bench/profiling/ncu_chunk.sh runs ncu over each case and calls ``top``.
+tf32 (same, TF32 mode), dgrad (mid bf16 forward + backward with a trainable CUDA decay: the
+dlog(gamma) kernel). bench/profiling/ncu_chunk.sh runs ncu over each case and calls ``top``.
 """
 import csv
 import sys
 
 CASES = {"mid": ((4, 32, 4096, 128), "bfloat16", "exact"), "long": ((1, 32, 16384, 128), "bfloat16", "exact"),
-         "f32": ((4, 32, 4096, 128), "float32", "exact"), "tf32": ((4, 32, 4096, 128), "float32", "tf32")}
+         "f32": ((4, 32, 4096, 128), "float32", "exact"), "tf32": ((4, 32, 4096, 128), "float32", "tf32"),
+         "dgrad": ((4, 32, 4096, 128), "bfloat16", "exact")}
 
 
 def run(case: str) -> None:
@@ -23,6 +25,13 @@ def run(case: str) -> None:
     torch.manual_seed(0)
     q, k = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) / d ** 0.5 for _ in range(2))
     v = torch.randn(b, h, n, d, device="cuda", dtype=dtype)
+    if case == "dgrad":
+        leaves = [x.requires_grad_() for x in (q, k, v)]
+        decay = torch.full((h,), 0.99, device="cuda", requires_grad=True)
+        for _ in range(3):
+            rtkernels.causal_linear_attention(*leaves, decay, method="chunk").sum().backward()
+        torch.cuda.synchronize()
+        return
     for _ in range(3):
         rtkernels.causal_linear_attention(q, k, v, 0.99, method="chunk", fp32_precision=prec)
     torch.cuda.synchronize()
