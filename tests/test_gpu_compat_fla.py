@@ -57,11 +57,13 @@ def _three_way(names, got, fla, want, dtype):
     tol = 5e-2 if dtype == torch.bfloat16 else 2e-2
     fla_wrong = []
     for what, a, b, w in zip(names, got, fla, want):
-        if b is None:
-            continue
-        a, b = a.double(), b.double()
-        assert a.shape == b.shape == w.shape, (what, a.shape, b.shape, w.shape)
+        a = a.double()
+        assert a.shape == w.shape, (what, a.shape, w.shape)
         assert (a - w).norm() <= tol * w.norm(), f"{what}: rtkernels is {(a - w).norm() / w.norm():.3g} from fp64"
+        if b is None:  # fla gives none
+            continue
+        b = b.double()
+        assert a.shape == b.shape, (what, a.shape, b.shape)
         if (b - w).norm() > tol * w.norm():  # the peer itself is off the fp64 reference: nothing to compare
             fla_wrong.append(f"{what} {(b - w).norm() / w.norm():.3g}")
             continue
@@ -100,13 +102,19 @@ def test_against_fla(name, dtype):
     # fla gives g_gamma no gradient (a constant there): dg_gamma is checked against fp64 above
     fla = _run(theirs, tuple(t.detach().clone().requires_grad_() for t in leaves), weights, 0.3, allow_unused=True)
     want = _reference(leaves, weights, 0.3)
-    fla_wrong = _three_way(NAMES, got, fla, want, dtype)
+    fla_wrong = _three_way(NAMES[:-1], got, fla, want, dtype)  # fla gives g_gamma no gradient
     if fla_wrong:  # seen: fla 0.6.0's bf16 chunk dv on Triton 3.6 / Hopper (fla warns of Triton < 3.7.1 there)
         pytest.xfail(f"fla's own result is off the fp64 reference (relative error: {', '.join(fla_wrong)}); "
                      f"rtkernels matches fp64 and fla everywhere else")
 
 
 LENS = (65, 1, 0, 130, 63, 200)  # packed sequences: an empty one, a partial last chunk, one token
+
+
+def _old_triton() -> bool:
+    import triton
+
+    return tuple(int(x) for x in triton.__version__.split(".")[:3] if x.isdigit()) < (3, 7, 1)
 
 
 def _packed_reference(base, weights, cu, scale):
@@ -143,14 +151,20 @@ def test_packed_against_fla(name, dtype):
     g_gamma = torch.tensor(LOG_DECAY, device="cuda")
     w = (torch.randn(1, n, H, V, generator=g).cuda(), torch.randn(s, H, K, V, generator=g).cuda())
 
-    def run(call):
+    def run(call, grads=True):
         leaves = [t.detach().clone().requires_grad_() for t in base]
         o, state = call(*leaves[:3], g_gamma=g_gamma, scale=0.3, initial_state=leaves[3], output_final_state=True,
                         cu_seqlens=cu)
+        if not grads:
+            return o, state, None, None, None, None
         loss = (o.float() * w[0]).sum() + (state.float() * w[1]).sum()
         return (o, state, *torch.autograd.grad(loss, leaves))
 
-    got, fla = run(ours), run(theirs)
+    # fla 0.6.0's bf16 chunk backward with Triton < 3.7.1 (fla's own warning on Hopper): dv off by
+    # 1.26 in one H200 run and an illegal address in its chunk_bwd_dv in an H100 run, which ends
+    # the process: there its gradients are compared with fp64 only
+    fla_bwd = not (name == "chunk_simple_gla" and dtype == torch.bfloat16 and _old_triton())
+    got, fla = run(ours), run(theirs, grads=fla_bwd)
     want = _packed_reference(base, w, cu, 0.3)
     fla_wrong = _three_way(NAMES[:-1], got, fla, want, dtype)
     for i, (lo, hi) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
