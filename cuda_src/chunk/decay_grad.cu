@@ -105,35 +105,54 @@ template <int DT> __device__ __forceinline__ rtk_u32 rtk_dg_scale2(rtk_u32 x, fl
   return rtk_pack2<DT>(lo * wlo, hi * whi);
 }
 
-// acc (+)= (x * w)^T y over the first 16 ksteps tokens of a chunk: x = q or k (tile at shared
+// acc (+)= (x * wa)^T y over the first 16 ksteps tokens of a chunk: x = q or k (tile at shared
 // address sX, row stride KS elements; the warp's rows sr0..), y = do or v (at sY, stride VS;
-// columns cb .. cb + 8 NT - 1), weight(t) the token weight (fp32, applied to x and rounded once
-// to 16 bits). As chunk.cu's state warps: A = x^T and B = y by ldmatrix.trans, mma m16n8k16.
-template <int DT, int MT, int NT, int KS, int VS, class Wt>
-__device__ __forceinline__ void rtk_dg_product(float (&acc)[MT][NT][4], rtk_u32 sX, rtk_u32 sY, int ksteps, int sr0,
-                                               int cb, int lane, Wt weight) {
+// columns cb .. cb + 8 NA - 1), wa[t] the token weights (a shared table: fp32, applied to x and
+// rounded once to 16 bits). As chunk.cu's state warps: A = x^T and B = y by ldmatrix.trans, mma
+// m16n8k16. TWO: also acc_b[.][nb0 + .] (+)= (x * wb)^T y with the same fragments of x and y
+// (nb0 a constant after unrolling, so acc_b stays in registers).
+template <int DT, bool TWO, int KS, int VS, int MT, int NA, int NB>
+__device__ __forceinline__ void rtk_dg_product(float (&acc_a)[MT][NA][4], const float* wa, float (&acc_b)[MT][NB][4],
+                                               int nb0, const float* wb, rtk_u32 sX, rtk_u32 sY, int ksteps,
+                                               int sr0, int cb, int lane) {
   const int t4 = lane & 3;
   #pragma unroll 1
   for (int kk = 0; kk < ksteps; ++kk) {
-    const int ta = kk * 16 + 2 * t4;  // this thread's tokens: ta, ta + 1, ta + 8, ta + 9
-    const float w0 = weight(ta), w1 = weight(ta + 1), w8 = weight(ta + 8), w9 = weight(ta + 9);
-    rtk_u32 a[MT][4];
+    const int ta = kk * 16 + 2 * t4;  // this thread's tokens: ta, ta + 1, ta + 8, ta + 9 (ta even)
+    const float2 a01 = *reinterpret_cast<const float2*>(wa + ta), a89 = *reinterpret_cast<const float2*>(wa + ta + 8);
+    float2 b01 = a01, b89 = a89;
+    if (TWO) {
+      b01 = *reinterpret_cast<const float2*>(wb + ta);
+      b89 = *reinterpret_cast<const float2*>(wb + ta + 8);
+    }
+    rtk_u32 xa[MT][4], xb[MT][4];
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      rtk_ldsm_x4_trans(a[mt], sX + 2 * ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * KS + sr0 + mt * 16 + ((lane >> 3) & 1) * 8));
-      a[mt][0] = rtk_dg_scale2<DT>(a[mt][0], w0, w1);
-      a[mt][1] = rtk_dg_scale2<DT>(a[mt][1], w0, w1);
-      a[mt][2] = rtk_dg_scale2<DT>(a[mt][2], w8, w9);
-      a[mt][3] = rtk_dg_scale2<DT>(a[mt][3], w8, w9);
+      rtk_u32 raw[4];
+      rtk_ldsm_x4_trans(raw, sX + 2 * ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * KS + sr0 + mt * 16 + ((lane >> 3) & 1) * 8));
+      xa[mt][0] = rtk_dg_scale2<DT>(raw[0], a01.x, a01.y);
+      xa[mt][1] = rtk_dg_scale2<DT>(raw[1], a01.x, a01.y);
+      xa[mt][2] = rtk_dg_scale2<DT>(raw[2], a89.x, a89.y);
+      xa[mt][3] = rtk_dg_scale2<DT>(raw[3], a89.x, a89.y);
+      if (TWO) {
+        xb[mt][0] = rtk_dg_scale2<DT>(raw[0], b01.x, b01.y);
+        xb[mt][1] = rtk_dg_scale2<DT>(raw[1], b01.x, b01.y);
+        xb[mt][2] = rtk_dg_scale2<DT>(raw[2], b89.x, b89.y);
+        xb[mt][3] = rtk_dg_scale2<DT>(raw[3], b89.x, b89.y);
+      }
     }
     #pragma unroll
-    for (int np = 0; np < NT / 2; ++np) {
+    for (int np = 0; np < NA / 2; ++np) {
       rtk_u32 bb[4];
       rtk_ldsm_x4_trans(bb, sY + 2 * ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + cb + np * 16 + (lane >> 4) * 8));
       #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        rtk_mma16816<DT>(acc[mt][2 * np], a[mt], bb[0], bb[1]);
-        rtk_mma16816<DT>(acc[mt][2 * np + 1], a[mt], bb[2], bb[3]);
+        rtk_mma16816<DT>(acc_a[mt][2 * np], xa[mt], bb[0], bb[1]);
+        rtk_mma16816<DT>(acc_a[mt][2 * np + 1], xa[mt], bb[2], bb[3]);
+        if (TWO) {
+          rtk_mma16816<DT>(acc_b[mt][nb0 + 2 * np], xb[mt], bb[0], bb[1]);
+          rtk_mma16816<DT>(acc_b[mt][nb0 + 2 * np + 1], xb[mt], bb[2], bb[3]);
+        }
       }
     }
   }
@@ -275,6 +294,22 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
   #pragma unroll 1
   for (int m = 2; m <= C; ++m) log2n1 = fmaxf(log2n1, log2f((float)m) + lg2 * (float)m);
 
+  // The token weights, computed once: wtab[0] for full chunks, wtab[1] for a shorter last one;
+  // rows A1' (t+1) gamma^(t+1) / n1, A2' gamma^t, D2' (L-1-s) gamma^(L-1-s) / n1 and D1
+  // gamma^(L-1-s), 0 past the chunk (D2' also at s = L-1: gamma^0 / n1 may overflow); dtab[d] =
+  // d gamma^d, the intra weights. The chunk loop's first barrier publishes them.
+  __shared__ __align__(16) float wtab[2][4][C];
+  __shared__ float dtab[C];
+  if (tid < 2 * C) {
+    const int t = tid % C, len = tid < C ? C : N - (nchunks - 1) * C;
+    float* w = wtab[tid / C][0];
+    w[t] = t < len ? (float)(t + 1) * rtk_exp2(lg2 * (float)(t + 1) - log2n1) : 0.f;
+    w[C + t] = t < len ? rtk_exp2(lg2 * (float)t) : 0.f;
+    w[2 * C + t] = t < len - 1 ? (float)(len - 1 - t) * rtk_exp2(lg2 * (float)(len - 1 - t) - log2n1) : 0.f;
+    w[3 * C + t] = t < len ? rtk_exp2(lg2 * (float)(len - 1 - t)) : 0.f;
+    if (tid < C) dtab[t] = (float)t * rtk_exp2(lg2 * (float)t);
+  }
+
   float acc1 = 0.f, acc2 = 0.f, acci = 0.f;  // sum <S, A1'>, sum <W, A2'>, the intra term
 
   const int kt_used = (Dk + 15) >> 4, vt_used = (dv_here + 15) >> 4;
@@ -300,6 +335,7 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
       // keeping log(gamma); lg2's rounding moves gamma^L by at most |L log gamma| * 6e-8, relative)
       const float carry = (float)exp2((double)lg2 * (double)len);
       const float n1 = rtk_exp2(log2n1), fl = (float)len;
+      const float* wt = wtab[len == C ? 0 : 1][0];
       // per group of NTG n-tiles (a scratch fragment T of that width keeps the registers down)
       #pragma unroll
       for (int grp = 0; grp < NG; ++grp) {
@@ -308,35 +344,35 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
         float t_acc[MT][NTG][4];
         // A1' = sum_t (t+1) gamma^(t+1) / n1 q_t^T do_t;  acc1 += <S, A1'>   (old S)
         rtk_dg_zero(t_acc);
-        rtk_dg_product<DT, MT, NTG, KS, VS>(t_acc, sQ, sD, ksteps, sr0, cb, lane, [&](int t) -> float {
-          return t < len ? (float)(t + 1) * rtk_exp2(lg2 * (float)(t + 1) - log2n1) : 0.f;
-        });
+        rtk_dg_product<DT, false, KS, VS>(t_acc, wt + 0 * C, t_acc, 0, nullptr, sQ, sD, ksteps, sr0, cb, lane);
         acc1 += rtk_dg_dot(s_acc, t_acc, grp * NTG);
         // A2' = sum_t gamma^t q_t^T do_t;  acc2 += <W, A2'>   (old W)
         rtk_dg_zero(t_acc);
-        rtk_dg_product<DT, MT, NTG, KS, VS>(t_acc, sQ, sD, ksteps, sr0, cb, lane, [&](int t) -> float {
-          return t < len ? rtk_exp2(lg2 * (float)t) : 0.f;
-        });
+        rtk_dg_product<DT, false, KS, VS>(t_acc, wt + 1 * C, t_acc, 0, nullptr, sQ, sD, ksteps, sr0, cb, lane);
         acc2 += rtk_dg_dot(w_acc, t_acc, grp * NTG);
-        // D2' = sum_s (L-1-s) gamma^(L-1-s) / n1 k_s^T v_s;  W = gamma^L (W + L S) + n1 D2'   (old S)
-        rtk_dg_zero(t_acc);
-        rtk_dg_product<DT, MT, NTG, KS, VS>(t_acc, sK, sV, ksteps, sr0, cb, lane, [&](int s) -> float {
-          // s = L-1 (weight 0) by a select: gamma^0 / n1 may overflow
-          return s < len - 1 ? (float)(len - 1 - s) * rtk_exp2(lg2 * (float)(len - 1 - s) - log2n1) : 0.f;
-        });
+        // W = gamma^L (W + L S) + n1 D2' and S = gamma^L S + D1 on this group's columns, with
+        // D2' = sum_s (L-1-s) gamma^(L-1-s) / n1 k_s^T v_s and D1 = sum_s gamma^(L-1-s) k_s^T v_s
+        // in one pass over k and v: the old S enters W before S takes its new value
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
           #pragma unroll
           for (int nt = 0; nt < NTG; ++nt)
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
+              float& sv = s_acc[mt][grp * NTG + nt][e];
               float& w = w_acc[mt][grp * NTG + nt][e];
-              w = fmaf(carry, fmaf(fl, s_acc[mt][grp * NTG + nt][e], w), n1 * t_acc[mt][nt][e]);
+              w = carry * fmaf(fl, sv, w);
+              sv *= carry;
             }
+        rtk_dg_zero(t_acc);
+        rtk_dg_product<DT, true, KS, VS>(t_acc, wt + 2 * C, s_acc, grp * NTG, wt + 3 * C, sK, sV, ksteps, sr0, cb, lane);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          #pragma unroll
+          for (int nt = 0; nt < NTG; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) w_acc[mt][grp * NTG + nt][e] = fmaf(n1, t_acc[mt][nt][e], w_acc[mt][grp * NTG + nt][e]);
       }
-      rtk_frag_scale(s_acc, carry);
-      // S = gamma^L S + sum_s gamma^(L-1-s) k_s^T v_s
-      rtk_dg_product<DT, MT, NT, KS, VS>(s_acc, sK, sV, ksteps, sr0, c0, lane, [&](int s) -> float { return s < len ? rtk_exp2(lg2 * (float)(len - 1 - s)) : 0.f; });
     }
 
     // ---- intra part: tiles warp, warp + 8 of the causal block ------------------------------------
@@ -370,7 +406,7 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
         #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int d = (16 * r + g + (e >> 1) * 8) - (16 * c + 8 * j + 2 * t4 + (e & 1));  // t - s
-          if (d >= 0) acci = fmaf(p[j][e] * dp[j][e], (float)d * rtk_exp2(lg2 * (float)d), acci);
+          if (d >= 0) acci = fmaf(p[j][e] * dp[j][e], dtab[d], acci);
         }
     }
   }
