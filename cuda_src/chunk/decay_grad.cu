@@ -37,20 +37,21 @@
 // (one barrier per chunk: the load of chunk c+1 is issued right after the barrier that opens
 // chunk c, into the stage chunk c-1 used), zero-filled beyond Dk, Dv and N.
 // - State part: warp w owns a ROWS x COLS slice of S and W (8 warps tile KMAX x BV; rows first)
-//   and one scratch fragment T: T = A1' -> acc1 += <S, T>; T = A2' -> acc2 += <W, T>;
-//   T = D2' -> W = gamma^L (W + L S) + n1 T; then S = gamma^L S + D1 (mma into S): old S is used
-//   where the recurrences need it. Each product is an mma m16n8k16 over the chunk's tokens with A
-//   = x^T (ldmatrix.trans of q or k) and B = y (ldmatrix.trans of do or v), as chunk.cu's state
-//   warps form k^T v; the per-token weight multiplies the A operand in fp32, rounded once to 16
-//   bits. The weights are normalised to at most 1 so that fp16 cannot overflow and small gamma
-//   keeps its precision (gamma = 1e-6 would be an fp16 subnormal): with
-//   n1 = max_{1<=m<=64} m gamma^m,
+//   and one scratch fragment T: T = A1' -> acc1 += <S, T>; T = A2' -> acc2 += <W, T>; then
+//   W = gamma^L (W + L S) and S = gamma^L S (old S enters W first), and one pass over k and v
+//   gives T = D2' and S += D1 (mma into S), W += n1 T. Each product is an mma m16n8k16 over the
+//   chunk's tokens with A = x^T (ldmatrix.trans of q or k) and B = y (ldmatrix.trans of do or v),
+//   as chunk.cu's state warps form k^T v; the per-token weight multiplies the A operand, rounded
+//   once to 16 bits (the weight as two 16-bit parts, two packed fma: rtk_dg_weigh). The weights
+//   come from a shared table made once per CTA (full chunks and the last one) and are normalised
+//   to at most 1 so that fp16 cannot overflow and small gamma keeps its precision (gamma = 1e-6
+//   would be an fp16 subnormal): with n1 = max_{1<=m<=64} m gamma^m,
 //     A1' = A1 / n1  (weights (t+1) gamma^(t+1) / n1),   A2' = A2 / gamma  (weights gamma^t),
 //     D2' = D2 / n1  (weights (L-1-s) gamma^(L-1-s) / n1), D1 as it is (weights <= 1),
 //   and n1, gamma are multiplied back in fp32.
 // - Intra part: the causal 64 x 64 block, as 10 tiles of 16 x 16 (t >= s tiles) spread over the
 //   8 warps: Q K^T over Dk and dO V^T over this tile's columns by mma (fp32, from the exact
-//   16-bit inputs), times (t-s) gamma^(t-s) in fp32, summed. s > t is a select (an Inf score
+//   16-bit inputs), times (t-s) gamma^(t-s) in fp32 (a table by t-s), summed. s > t is a select (an Inf score
 //   there must not make NaN), s = t a product with weight 0 (a NaN there reaches the sum, as in
 //   the torch formula).
 // The tile's share of the intra term (do . v over its columns) and of <S, A1>, <W, A2>, <G, W>
@@ -98,47 +99,60 @@ template <> __device__ __forceinline__ void rtk_dg_unpack2<RTK_F16>(rtk_u32 x, f
   asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }"
       : "=f"(lo), "=f"(hi) : "r"(x));
 }
-// (lo * wlo, hi * whi) in fp32, rounded once to 16 bits.
-template <int DT> __device__ __forceinline__ rtk_u32 rtk_dg_scale2(rtk_u32 x, float wlo, float whi) {
-  float lo, hi;
-  rtk_dg_unpack2<DT>(x, lo, hi);
-  return rtk_pack2<DT>(lo * wlo, hi * whi);
+
+// x * w for a packed pair x and a token-pair weight w given as packed 16-bit parts (hi, lo), w =
+// hi + lo: x * lo first, then x * hi + that in one fma, so the pair is rounded once to 16 bits up
+// to |x lo| 2^-8 <= |x w| 2^-16 (two instructions where an fp32 multiply takes five).
+template <int DT> __device__ __forceinline__ rtk_u32 rtk_dg_weigh(rtk_u32 x, uint2 w) {
+  return rtk_fma2<DT>(x, w.x, rtk_mul2<DT>(x, w.y));
+}
+
+// The fp32 weight of token t (0..63) in a chunk of len tokens, per table row (see wtab below):
+// normalised to at most 1 (n1 = max_{1<=m<=64} m gamma^m, as log2n1).
+__device__ __forceinline__ float rtk_dg_weight(int row, int t, int len, float lg2, float log2n1) {
+  switch (row) {
+    case 0: return t < len ? (float)(t + 1) * rtk_exp2(lg2 * (float)(t + 1) - log2n1) : 0.f;  // A1'
+    case 1: return t < len ? rtk_exp2(lg2 * (float)t) : 0.f;  // A2'
+    // D2': s = L-1 (weight 0) by a select, gamma^0 / n1 may overflow
+    case 2: return t < len - 1 ? (float)(len - 1 - t) * rtk_exp2(lg2 * (float)(len - 1 - t) - log2n1) : 0.f;
+    default: return t < len ? rtk_exp2(lg2 * (float)(len - 1 - t)) : 0.f;  // D1
+  }
 }
 
 // acc (+)= (x * wa)^T y over the first 16 ksteps tokens of a chunk: x = q or k (tile at shared
 // address sX, row stride KS elements; the warp's rows sr0..), y = do or v (at sY, stride VS;
-// columns cb .. cb + 8 NA - 1), wa[t] the token weights (a shared table: fp32, applied to x and
-// rounded once to 16 bits). As chunk.cu's state warps: A = x^T and B = y by ldmatrix.trans, mma
+// columns cb .. cb + 8 NA - 1), wa the token weights (a shared table: at 2p, 2p + 1 the packed hi
+// and lo parts of the weights of tokens 2p, 2p + 1; see rtk_dg_weigh). As chunk.cu's state warps: A = x^T and B = y by ldmatrix.trans, mma
 // m16n8k16. TWO: also acc_b[.][nb0 + .] (+)= (x * wb)^T y with the same fragments of x and y
 // (nb0 a constant after unrolling, so acc_b stays in registers).
 template <int DT, bool TWO, int KS, int VS, int MT, int NA, int NB>
-__device__ __forceinline__ void rtk_dg_product(float (&acc_a)[MT][NA][4], const float* wa, float (&acc_b)[MT][NB][4],
-                                               int nb0, const float* wb, rtk_u32 sX, rtk_u32 sY, int ksteps,
+__device__ __forceinline__ void rtk_dg_product(float (&acc_a)[MT][NA][4], const rtk_u32* wa, float (&acc_b)[MT][NB][4],
+                                               int nb0, const rtk_u32* wb, rtk_u32 sX, rtk_u32 sY, int ksteps,
                                                int sr0, int cb, int lane) {
   const int t4 = lane & 3;
   #pragma unroll 1
   for (int kk = 0; kk < ksteps; ++kk) {
     const int ta = kk * 16 + 2 * t4;  // this thread's tokens: ta, ta + 1, ta + 8, ta + 9 (ta even)
-    const float2 a01 = *reinterpret_cast<const float2*>(wa + ta), a89 = *reinterpret_cast<const float2*>(wa + ta + 8);
-    float2 b01 = a01, b89 = a89;
+    const uint2 a01 = *reinterpret_cast<const uint2*>(wa + ta), a89 = *reinterpret_cast<const uint2*>(wa + ta + 8);
+    uint2 b01 = a01, b89 = a89;
     if (TWO) {
-      b01 = *reinterpret_cast<const float2*>(wb + ta);
-      b89 = *reinterpret_cast<const float2*>(wb + ta + 8);
+      b01 = *reinterpret_cast<const uint2*>(wb + ta);
+      b89 = *reinterpret_cast<const uint2*>(wb + ta + 8);
     }
     rtk_u32 xa[MT][4], xb[MT][4];
     #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       rtk_u32 raw[4];
       rtk_ldsm_x4_trans(raw, sX + 2 * ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * KS + sr0 + mt * 16 + ((lane >> 3) & 1) * 8));
-      xa[mt][0] = rtk_dg_scale2<DT>(raw[0], a01.x, a01.y);
-      xa[mt][1] = rtk_dg_scale2<DT>(raw[1], a01.x, a01.y);
-      xa[mt][2] = rtk_dg_scale2<DT>(raw[2], a89.x, a89.y);
-      xa[mt][3] = rtk_dg_scale2<DT>(raw[3], a89.x, a89.y);
+      xa[mt][0] = rtk_dg_weigh<DT>(raw[0], a01);
+      xa[mt][1] = rtk_dg_weigh<DT>(raw[1], a01);
+      xa[mt][2] = rtk_dg_weigh<DT>(raw[2], a89);
+      xa[mt][3] = rtk_dg_weigh<DT>(raw[3], a89);
       if (TWO) {
-        xb[mt][0] = rtk_dg_scale2<DT>(raw[0], b01.x, b01.y);
-        xb[mt][1] = rtk_dg_scale2<DT>(raw[1], b01.x, b01.y);
-        xb[mt][2] = rtk_dg_scale2<DT>(raw[2], b89.x, b89.y);
-        xb[mt][3] = rtk_dg_scale2<DT>(raw[3], b89.x, b89.y);
+        xb[mt][0] = rtk_dg_weigh<DT>(raw[0], b01);
+        xb[mt][1] = rtk_dg_weigh<DT>(raw[1], b01);
+        xb[mt][2] = rtk_dg_weigh<DT>(raw[2], b89);
+        xb[mt][3] = rtk_dg_weigh<DT>(raw[3], b89);
       }
     }
     #pragma unroll
@@ -296,18 +310,28 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
 
   // The token weights, computed once: wtab[0] for full chunks, wtab[1] for a shorter last one;
   // rows A1' (t+1) gamma^(t+1) / n1, A2' gamma^t, D2' (L-1-s) gamma^(L-1-s) / n1 and D1
-  // gamma^(L-1-s), 0 past the chunk (D2' also at s = L-1: gamma^0 / n1 may overflow); dtab[d] =
-  // d gamma^d, the intra weights. The chunk loop's first barrier publishes them.
-  __shared__ __align__(16) float wtab[2][4][C];
+  // gamma^(L-1-s) (rtk_dg_weight), as 16-bit pairs (rtk_dg_weigh); dtab[d] = d gamma^d, the
+  // intra weights. The chunk loop's first barrier publishes them.
+  __shared__ __align__(16) rtk_u32 wtab[2][4][C];
   __shared__ float dtab[C];
+  // gamma^C and gamma^(last chunk's length) in fp64 (their rounding compounds over the chunks;
+  // lg2's rounding moves them by at most |L log gamma| * 6e-8, relative), n1, gamma: read from
+  // shared memory, they keep no register through the chunk loop
+  __shared__ float wconst[4];
+  if (tid < 2) wconst[tid] = (float)exp2((double)lg2 * (double)(tid == 0 ? C : N - (nchunks - 1) * C));
+  if (tid == 2) wconst[2] = rtk_exp2(log2n1);
+  if (tid == 3) wconst[3] = rtk_exp2(lg2);
   if (tid < 2 * C) {
-    const int t = tid % C, len = tid < C ? C : N - (nchunks - 1) * C;
-    float* w = wtab[tid / C][0];
-    w[t] = t < len ? (float)(t + 1) * rtk_exp2(lg2 * (float)(t + 1) - log2n1) : 0.f;
-    w[C + t] = t < len ? rtk_exp2(lg2 * (float)t) : 0.f;
-    w[2 * C + t] = t < len - 1 ? (float)(len - 1 - t) * rtk_exp2(lg2 * (float)(len - 1 - t) - log2n1) : 0.f;
-    w[3 * C + t] = t < len ? rtk_exp2(lg2 * (float)(len - 1 - t)) : 0.f;
-    if (tid < C) dtab[t] = (float)t * rtk_exp2(lg2 * (float)t);
+    const int j = tid % C, t = j & ~1, len = tid < C ? C : N - (nchunks - 1) * C;
+    #pragma unroll 1
+    for (int row = 0; row < 4; ++row) {
+      const float w0 = rtk_dg_weight(row, t, len, lg2, log2n1), w1 = rtk_dg_weight(row, t + 1, len, lg2, log2n1);
+      const rtk_u32 hi = rtk_pack2<DT>(w0, w1);
+      float h0, h1;
+      rtk_dg_unpack2<DT>(hi, h0, h1);
+      wtab[tid / C][row][j] = (j & 1) ? rtk_pack2<DT>(w0 - h0, w1 - h1) : hi;
+    }
+    if (tid < C) dtab[j] = (float)j * rtk_exp2(lg2 * (float)j);
   }
 
   float acc1 = 0.f, acc2 = 0.f, acci = 0.f;  // sum <S, A1'>, sum <W, A2'>, the intra term
@@ -331,11 +355,9 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
 
     // ---- state part ------------------------------------------------------------------------------
     if (state_live) {
-      // gamma^L in fp64 (its rounding compounds over the chunks), from lg2 (a register less than
-      // keeping log(gamma); lg2's rounding moves gamma^L by at most |L log gamma| * 6e-8, relative)
-      const float carry = (float)exp2((double)lg2 * (double)len);
-      const float n1 = rtk_exp2(log2n1), fl = (float)len;
-      const float* wt = wtab[len == C ? 0 : 1][0];
+      const int last = len == C ? 0 : 1;
+      const float carry = wconst[last], n1 = wconst[2], fl = (float)len;
+      const rtk_u32* wt = wtab[last][0];
       // per group of NTG n-tiles (a scratch fragment T of that width keeps the registers down)
       #pragma unroll
       for (int grp = 0; grp < NG; ++grp) {
@@ -418,7 +440,7 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
       if (real) accg = fmaf(grad_state[off], w_acc[mt][nt][e], accg);
     });
   }
-  float val = fmaf(scale, fmaf(rtk_exp2(log2n1), acc1, fmaf(rtk_exp2(lg2), acc2, acci)), accg);
+  float val = fmaf(scale, fmaf(wconst[2], acc1, fmaf(wconst[3], acc2, acci)), accg);
   #pragma unroll
   for (int off = 16; off > 0; off >>= 1) val += __shfl_xor_sync(0xffffffffu, val, off);
   if (lane == 0) red[warp] = val;

@@ -81,17 +81,21 @@ template <int DT> __device__ __forceinline__ bool rtk_nonfinite2(rtk_u32 x) {
   constexpr rtk_u32 m = rtk_expmask<DT>::v;
   return ((x & m) == m) || ((x & (m << 16)) == (m << 16));
 }
-// Elementwise product of two packed 16-bit pairs, rounded to nearest (fma with -0 keeps a*b exact-rounded).
-template <int DT> __device__ __forceinline__ rtk_u32 rtk_mul2(rtk_u32 a, rtk_u32 b);
-template <> __device__ __forceinline__ rtk_u32 rtk_mul2<RTK_BF16>(rtk_u32 a, rtk_u32 b) {
+// Elementwise a * b + c of packed 16-bit pairs, rounded once to nearest.
+template <int DT> __device__ __forceinline__ rtk_u32 rtk_fma2(rtk_u32 a, rtk_u32 b, rtk_u32 c);
+template <> __device__ __forceinline__ rtk_u32 rtk_fma2<RTK_BF16>(rtk_u32 a, rtk_u32 b, rtk_u32 c) {
   rtk_u32 d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
-template <> __device__ __forceinline__ rtk_u32 rtk_mul2<RTK_F16>(rtk_u32 a, rtk_u32 b) {
+template <> __device__ __forceinline__ rtk_u32 rtk_fma2<RTK_F16>(rtk_u32 a, rtk_u32 b, rtk_u32 c) {
   rtk_u32 d;
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
+}
+// Elementwise product of two packed 16-bit pairs, rounded to nearest (fma with -0 keeps a*b exact-rounded).
+template <int DT> __device__ __forceinline__ rtk_u32 rtk_mul2(rtk_u32 a, rtk_u32 b) {
+  return rtk_fma2<DT>(a, b, 0x80008000u);
 }
 // 2^x with one MUFU instruction (relative error below 2^-22; 0 for x very negative).
 __device__ __forceinline__ float rtk_exp2(float x) {
