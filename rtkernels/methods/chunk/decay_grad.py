@@ -24,15 +24,16 @@ stages). S, W and the four Dk x Dv products of each chunk (A1 = sum_t (t+1) gamm
 do_t, A2 = sum_t gamma^(t+1) q_t^T do_t, and the k^T v sums of the two recurrences) live in
 fp32 registers in one mma fragment layout, so ``<S, A1> + <W, A2>`` (the first term) and
 ``<G, W_end>`` are elementwise in registers; the intra-chunk term takes the causal 64 x 64 block
-of q k^T and do v^T by mma. Operands are the 16-bit inputs; a per-token weight multiplies one
-operand in fp32 and is rounded once to 16 bits (normalised to at most 1 first, so fp16 neither
-overflows nor loses a small gamma to its subnormals); accumulation is fp32 throughout. Each CTA
+of q k^T and do v^T by mma. Operands are the 16-bit inputs; a per-token weight (from a table the
+CTA makes once, as a 16-bit hi/lo pair applied by two packed fma) multiplies one operand, which
+is rounded once to 16 bits (the weights normalised to at most 1 first, so fp16 neither overflows
+nor loses a small gamma to its subnormals); accumulation is fp32 throughout. Each CTA
 writes one partial sum (reduced in a fixed order); a second launch sums them over batches and tiles in
 float64, per head in a fixed order: deterministic, no atomics.
 
-Work per CTA and chunk: four KMAX x BV x 64 products and the causal block of two 64 x 64 score
-matrices (q k^T over KMAX, recomputed for each value tile; do v^T over BV): about one forward
-pass. Memory: a ``[B, tiles, H]`` fp32 buffer. The chunks of a (batch, head) are walked in one
+Work per CTA and chunk: four KMAX x BV x 64 products (the two over k and v in one pass) and the
+causal block of two 64 x 64 score matrices (q k^T over KMAX, recomputed for each value tile;
+do v^T over BV): about one forward pass. Memory: a ``[B, tiles, H]`` fp32 buffer. The chunks of a (batch, head) are walked in one
 CTA (no split-sequence strategy), so few (batch, head) pairs with a long sequence leave
 multiprocessors idle.
 """
