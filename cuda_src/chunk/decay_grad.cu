@@ -89,17 +89,6 @@ struct rtk_dg_split {
   static_assert(RW * CW == 8 && ROWS % 16 == 0 && COLS % 16 == 0, "bad tile");
 };
 
-// The two 16-bit values of x as fp32 (lo: the low half).
-template <int DT> __device__ __forceinline__ void rtk_dg_unpack2(rtk_u32 x, float& lo, float& hi);
-template <> __device__ __forceinline__ void rtk_dg_unpack2<RTK_BF16>(rtk_u32 x, float& lo, float& hi) {
-  lo = __uint_as_float(x << 16);
-  hi = __uint_as_float(x & 0xFFFF0000u);
-}
-template <> __device__ __forceinline__ void rtk_dg_unpack2<RTK_F16>(rtk_u32 x, float& lo, float& hi) {
-  asm("{ .reg .b16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b; }"
-      : "=f"(lo), "=f"(hi) : "r"(x));
-}
-
 // x * w for a packed pair x and a token-pair weight w given as packed 16-bit parts (hi, lo), w =
 // hi + lo: x * lo first, then x * hi + that in one fma, so the pair is rounded once to 16 bits up
 // to |x lo| 2^-8 <= |x w| 2^-16 (two instructions where an fp32 multiply takes five).
@@ -328,7 +317,7 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
       const float w0 = rtk_dg_weight(row, t, len, lg2, log2n1), w1 = rtk_dg_weight(row, t + 1, len, lg2, log2n1);
       const rtk_u32 hi = rtk_pack2<DT>(w0, w1);
       float h0, h1;
-      rtk_dg_unpack2<DT>(hi, h0, h1);
+      rtk_unpack2<DT>(hi, h0, h1);
       wtab[tid / C][row][j] = (j & 1) ? rtk_pack2<DT>(w0 - h0, w1 - h1) : hi;
     }
     if (tid < C) dtab[j] = (float)j * rtk_exp2(lg2 * (float)j);

@@ -72,6 +72,17 @@ template <> __device__ __forceinline__ rtk_u32 rtk_pack2<RTK_F16>(float lo, floa
   asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
+// Two 16-bit values of one 32-bit word (the lower address in the low half) as fp32, exactly.
+template <int DT> __device__ __forceinline__ void rtk_unpack2(rtk_u32 w, float& lo, float& hi);
+template <> __device__ __forceinline__ void rtk_unpack2<RTK_BF16>(rtk_u32 w, float& lo, float& hi) {
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xFFFF0000u);
+}
+template <> __device__ __forceinline__ void rtk_unpack2<RTK_F16>(rtk_u32 w, float& lo, float& hi) {
+  asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
+      : "=f"(lo), "=f"(hi) : "r"(w));
+}
+
 // Mask of the exponent bits of a 16-bit type (all ones: Inf or NaN).
 template <int DT> struct rtk_expmask;
 template <> struct rtk_expmask<RTK_BF16> { static constexpr rtk_u32 v = 0x7F80u; };

@@ -51,17 +51,6 @@ template <> struct rtk_chunk<RTK_F32, true> {
   }
 };
 
-// Two 16-bit values of one 32-bit word (the lower address in the low half) as fp32, exactly.
-template <int DT> __device__ __forceinline__ void rtk_unpack2(rtk_u32 w, float& lo, float& hi);
-template <> __device__ __forceinline__ void rtk_unpack2<RTK_BF16>(rtk_u32 w, float& lo, float& hi) {
-  lo = __uint_as_float(w << 16);
-  hi = __uint_as_float(w & 0xFFFF0000u);
-}
-template <> __device__ __forceinline__ void rtk_unpack2<RTK_F16>(rtk_u32 w, float& lo, float& hi) {
-  asm("{\n\t.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;\n\t}"
-      : "=f"(lo), "=f"(hi) : "r"(w));
-}
-
 template <int DT> struct rtk_chunk<DT, true> {  // DT: RTK_F16 or RTK_BF16
   typedef rtk_u16 T;
   static constexpr int E = 8;
