@@ -90,6 +90,18 @@ def make_state(seed: int, b: int, h: int, dk: int, dv: int, dtype: torch.dtype) 
     return randn(torch.Generator().manual_seed(seed), (b, h, dk, dv), dtype, 1 / math.sqrt(dk))
 
 
+def backward_inputs(seed: int, b: int, h: int, n: int, dk: int, dv: int, with_s0: bool, with_g: bool
+                    ) -> tuple[torch.Tensor, ...]:
+    """fp64 ``[B, H, N, D]`` q, k, v, dL/do, and the initial state and dL/d(final state) (or None):
+    the arguments of a backward implementation."""
+    q, k, v = make_qkv(seed, b, h, n, dk, dv, torch.float64)
+    gen = torch.Generator().manual_seed(seed + 1)
+    g = randn(gen, (b, h, n, dv), torch.float64)
+    s0 = make_state(seed + 2, b, h, dk, dv, torch.float64) if with_s0 else None
+    g_state = randn(gen, (b, h, dk, dv), torch.float64) if with_g else None
+    return q, k, v, g, s0, g_state
+
+
 def decay_args(form: str, gammas: list[float], decay_dtype: torch.dtype = torch.float64
                ) -> tuple[dict[str, Any], torch.Tensor]:
     """(keyword arguments for ``causal_linear_attention``, the per-head factors [H] in float64 that

@@ -13,7 +13,7 @@ import torch
 
 import rtkernels.autograd as rk_autograd
 import rtkernels.kernel_backward as kb
-from inputs import make_qkv, make_state, randn
+from inputs import backward_inputs
 from reference import reference
 from rtkernels import decay_grad
 from rtkernels.decay import LogDecay
@@ -29,14 +29,7 @@ STATES = [(False, False), (True, False), (False, True), (True, True)]
 
 
 def _inputs(seed: int, n: int, dk: int, dv: int, with_s0: bool, with_g: bool, b: int = 2):
-    """fp64 ``[B, H, N, D]`` q, k, v, dL/do, and the initial state and dL/d(final state) or None."""
-    h = len(GAMMAS)
-    q, k, v = make_qkv(seed, b, h, n, dk, dv, F64)
-    gen = torch.Generator().manual_seed(seed + 1)
-    g = randn(gen, (b, h, n, dv), F64)
-    s0 = make_state(seed + 2, b, h, dk, dv, F64) if with_s0 else None
-    g_state = randn(gen, (b, h, dk, dv), F64) if with_g else None
-    return q, k, v, g, s0, g_state
+    return backward_inputs(seed, b, len(GAMMAS), n, dk, dv, with_s0, with_g)
 
 
 def _autograd_dlog(q, k, v, g, s0, g_state, scale: float) -> torch.Tensor:

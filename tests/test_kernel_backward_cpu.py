@@ -18,7 +18,7 @@ import torch
 import rtkernels
 import rtkernels.autograd as rk_autograd
 import test_grad_cpu as grad_cpu
-from inputs import make_qkv, make_state, randn
+from inputs import backward_inputs, randn
 from reference import reference
 from rtkernels.decay import LogDecay
 from rtkernels.methods.chunk.backward import forward_pass, kernel_backward, supports
@@ -43,14 +43,7 @@ def kernel_impl(monkeypatch):
 
 
 def _inputs(seed: int, n: int, dk: int, dv: int, with_s0: bool, with_g: bool, b: int = 2):
-    """fp64 ``[B, H, N, D]`` q, k, v, grad_out, and the initial state and final-state gradient (or None)."""
-    h = len(GAMMAS)
-    q, k, v = make_qkv(seed, b, h, n, dk, dv, F64)
-    gen = torch.Generator().manual_seed(seed + 1)
-    g = randn(gen, (b, h, n, dv), F64)
-    s0 = make_state(seed + 2, b, h, dk, dv, F64) if with_s0 else None
-    g_state = randn(gen, (b, h, dk, dv), F64) if with_g else None
-    return q, k, v, g, s0, g_state
+    return backward_inputs(seed, b, len(GAMMAS), n, dk, dv, with_s0, with_g)
 
 
 def _log_decay() -> LogDecay:
