@@ -31,6 +31,10 @@ cla = rtkernels.causal_linear_attention
 print(f"cached call, decay CPU tensor   {tm(lambda: cla(q, k, v, g, method='chunk')):.1f}")
 print(f"cached call, decay float        {tm(lambda: cla(q, k, v, 0.99, method='chunk')):.1f}")
 print(f"cached call, method auto        {tm(lambda: cla(q, k, v, g)):.1f}")
+for layout in ("bhnd", "bnhd"):  # autograd history: q, k, v and an nn.Parameter decay require grad
+    xs = [(x if layout == "bhnd" else x.transpose(1, 2).contiguous()).requires_grad_() for x in (q, k, v)]
+    gp = torch.nn.Parameter(g.cuda())
+    print(f"cached call with autograd, {layout} {tm(lambda: cla(*xs, gp, method='chunk', layout=layout)):.1f}")
 s0 = torch.zeros(1, 32, 128, 128, device="cuda")
 print(f"cached call, state in and out   {tm(lambda: cla(q, k, v, g, initial_state=s0, return_state=True)):.1f}")
 
