@@ -32,7 +32,7 @@ print(f"cached call, decay CPU tensor   {tm(lambda: cla(q, k, v, g, method='chun
 print(f"cached call, decay float        {tm(lambda: cla(q, k, v, 0.99, method='chunk')):.1f}")
 print(f"cached call, method auto        {tm(lambda: cla(q, k, v, g)):.1f}")
 for layout in ("bhnd", "bnhd"):  # autograd history: q, k, v and an nn.Parameter decay require grad
-    xs = [(x if layout == "bhnd" else x.transpose(1, 2).contiguous()).requires_grad_() for x in (q, k, v)]
+    xs = [(x.clone() if layout == "bhnd" else x.transpose(1, 2).contiguous()).requires_grad_() for x in (q, k, v)]
     gp = torch.nn.Parameter(g.cuda())
     print(f"cached call with autograd, {layout} {tm(lambda: cla(*xs, gp, method='chunk', layout=layout)):.1f}")
 s0 = torch.zeros(1, 32, 128, 128, device="cuda")
