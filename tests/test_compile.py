@@ -10,18 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from rtkernels.decode import instances as decode_instances
-from rtkernels.normalize_op import instances as normalize_instances
-from rtkernels.methods import kernel_instances
+from rtkernels.instances import by_source
 from rtkernels.jit import KernelCompileError, compile_offline, list_sources, load_source, source_dir
 
 ARCHS = ("sm_80", "sm_90a")  # sm_90a: the wgmma instances compile their Hopper path
 
 
 def all_instances() -> dict[str, list[str]]:
-    """Every instance the library can request: the methods' (the registry), the decode step's and
-    linear_attention's normalization's."""
-    return {**kernel_instances(), **decode_instances(), **normalize_instances()}
+    """Every instance the library can request (:func:`rtkernels.instances.by_source`)."""
+    return by_source()
 
 
 def test_every_source_has_instances():

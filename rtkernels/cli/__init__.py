@@ -5,9 +5,10 @@
     rtkernels check     GPU self-test: every method against the fp64 reference on odd shapes
     rtkernels autotune  tune method and kernel configs per shape bucket for this GPU
     rtkernels bench     the side-by-side benchmark vs the peers (the harness ships in the package)
+    rtkernels compile   every kernel instance into the disk cache ahead of the first call
 
 One module per subcommand (:mod:`.info`, :mod:`.demo`, :mod:`.check`, :mod:`.autotune`,
-:mod:`.bench`), each with ``add_arguments(parser)`` and a function that runs it and returns the
+:mod:`.bench`, :mod:`.compile`), each with ``add_arguments(parser)`` and a function that runs it and returns the
 exit status; :data:`COMMANDS` lists them. ``check``, ``autotune`` and ``bench`` need a CUDA GPU:
 without one they print one sentence and exit with status 2. The environment helpers they share
 (versions, GPU checks) are public names of :mod:`rtkernels.env`; nothing in rtkernels but
@@ -20,7 +21,7 @@ import argparse
 import sys
 from typing import Callable, NamedTuple, Optional, Sequence
 
-from . import autotune, bench, check, demo, info
+from . import autotune, bench, check, compile, demo, info
 from .common import PROG
 
 __all__ = ["main", "build_parser", "COMMANDS", "Command"]
@@ -69,6 +70,13 @@ COMMANDS: dict[str, Command] = {
         "table and a PNG plot. Peers that do not import are reported as such. Needs a CUDA GPU "
         "(exit status 2 without one) unless --quick, a CPU smoke run.",
         bench.add_arguments, bench.run),
+    "compile": Command(
+        "compile every kernel instance into the disk cache ahead of the first call",
+        "Compile every CUDA kernel instance rtkernels can request on a GPU of one architecture (the "
+        "current GPU's, or --arch: no GPU needed, e.g. in a container build) into the kernel cache, on "
+        "all cores, so that no call pays the JIT compile. Instances already cached are kept. Exit status "
+        "0 when every instance compiled, 1 when one failed, 2 without a compiler or an architecture.",
+        compile.add_arguments, compile.run),
 }
 
 

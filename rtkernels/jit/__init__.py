@@ -5,7 +5,7 @@ from .compiler import BASE_OPTIONS, CompiledProgram, KernelCompileError, compile
 from .compiler_nvcc import compile_nvcc
 from .dtypes import KERNEL_DTYPES, compute_dtype, dtype_code
 from .jit import (BoundLaunch, Kernel, backend_name, compile_log, compiler_available, cupy_available, get_function,
-                  kernels_available, launch)
+                  kernels_available, launch, precompile)
 from .sources import list_sources, load_source, source_dir, sources_hash
 
 __all__ = [
@@ -13,6 +13,6 @@ __all__ = [
     "compile_nvcc",
     "KERNEL_DTYPES", "compute_dtype", "dtype_code",
     "BoundLaunch", "Kernel", "backend_name", "compile_log", "compiler_available", "cupy_available", "get_function",
-    "kernels_available", "launch",
+    "kernels_available", "launch", "precompile",
     "list_sources", "load_source", "source_dir", "sources_hash",
 ]

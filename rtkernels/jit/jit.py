@@ -18,7 +18,7 @@ import functools
 import struct
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -50,15 +50,26 @@ def kernels_available(device: torch.device) -> bool:
     return device.type == "cuda" and compiler_available()
 
 
-def _target(device_index: int, extra_options: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+def _split_arch(extra_options: tuple[str, ...], default: str) -> tuple[str, tuple[str, ...]]:
     """(architecture, options without it): an ``-arch=`` option names it (e.g. sm_90a for the
-    wgmma kernels), else the device's compute capability."""
-    arch = next((o.split("=", 1)[1] for o in extra_options if o.startswith(_ARCH_OPTIONS)), None)
-    opts = tuple(o for o in extra_options if not o.startswith(_ARCH_OPTIONS))
-    if arch is None:
-        major, minor = torch.cuda.get_device_capability(device_index)
-        arch = f"sm_{major}{minor}"
-    return arch, opts
+    wgmma kernels), else ``default``."""
+    arch = next((o.split("=", 1)[1] for o in extra_options if o.startswith(_ARCH_OPTIONS)), default)
+    return arch, tuple(o for o in extra_options if not o.startswith(_ARCH_OPTIONS))
+
+
+def _target(device_index: int, extra_options: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    """(architecture, options without it): an ``-arch=`` option names it, else the device's
+    compute capability."""
+    if any(o.startswith(_ARCH_OPTIONS) for o in extra_options):
+        return _split_arch(extra_options, "")
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return _split_arch(extra_options, f"sm_{major}{minor}")
+
+
+def _cache_key(source: str, name_expression: str, arch: str, opts: tuple[str, ...]) -> str:
+    """The disk-cache key of one instance (what :func:`get_function` and :func:`precompile` look up)."""
+    return kernel_cache.cache_key(load_source(source), name_expression, (*BASE_OPTIONS, *opts), arch,
+                                  compiler=_cache_tag())
 
 
 def _compile(source: str, name_expression: str, arch: str,
@@ -112,8 +123,7 @@ def get_function(source: str, name_expression: str, device_index: int,
             t0 = time.perf_counter()
             arch, opts = _target(device_index, extra_options)
             compiler = "nvcc" if backend_name() == "pycuda" else "nvrtc"
-            ckey = kernel_cache.cache_key(load_source(source), name_expression, (*BASE_OPTIONS, *opts), arch,
-                                          compiler=_cache_tag())
+            ckey = _cache_key(source, name_expression, arch, opts)
             cached = kernel_cache.load(ckey)
             from_cache = cached is not None
             if cached is None:
@@ -125,6 +135,48 @@ def get_function(source: str, name_expression: str, device_index: int,
                                  "seconds": time.perf_counter() - t0})
             _functions[key] = fn
     return fn
+
+
+def precompile(requests: Sequence[tuple[str, str, tuple[str, ...]]], arch: str, jobs: int = 0,
+               on_done: Optional[Callable[[str, str, str], None]] = None) -> dict[str, list]:
+    """Compile every ``(source, name expression, extra options)`` of ``requests`` for ``arch``
+    (e.g. ``"sm_90"``; an ``-arch=`` option of a request wins, as in :func:`get_function`) into the
+    disk cache, on ``jobs`` threads (0: one per core; NVRTC and nvcc run outside the GIL). Needs
+    no GPU. An instance already cached is not compiled again. ``on_done(source, name, what)`` is
+    called as each finishes (``what``: "compiled", "cached" or the error).
+
+    Returns ``{"compiled": [...], "cached": [...], "failed": [(name, error), ...]}`` (name
+    expressions). A later process on a GPU of that architecture finds these kernels in the cache,
+    as :func:`get_function` keys them, and compiles nothing."""
+    import concurrent.futures
+    import os
+
+    compiler = "nvcc" if backend_name() == "pycuda" else "nvrtc"
+
+    def one(request: tuple[str, str, tuple[str, ...]]) -> str:
+        source, name, extra = request
+        a, opts = _split_arch(tuple(extra), arch)
+        key = _cache_key(source, name, a, opts)
+        if kernel_cache.load(key) is not None:
+            return "cached"
+        cached, version = _compile(source, name, a, opts)
+        kernel_cache.save(key, cached, version, a, compiler=compiler)
+        return "compiled"
+
+    done: dict[str, list] = {"compiled": [], "cached": [], "failed": []}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        futures = {pool.submit(one, r): r for r in requests}
+        for fut in concurrent.futures.as_completed(futures):
+            source, name, _ = futures[fut]
+            try:
+                what = fut.result()
+                done[what].append(name)
+            except Exception as exc:  # noqa: BLE001 -- reported per instance, the others go on
+                what = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                done["failed"].append((name, what))
+            if on_done is not None:
+                on_done(source, name, what)
+    return done
 
 
 def compile_log() -> list[dict[str, Any]]:

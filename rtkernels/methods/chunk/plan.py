@@ -509,6 +509,12 @@ def tuned_launch(config: Config, problem: Problem, limits: Limits, *, vec: bool 
                                     limits.sms, wg, bv, exact, limits.max_smem), nseg)
 
 
+def instance_options() -> dict[str, tuple[str, ...]]:
+    """The compiler options of the forward instances that need any (the wgmma ones: sm_90a
+    code), by name expression, as :class:`Launch` asks for them."""
+    return {name_expression(c): _launch_of(c, 1).options for c in all_configs() if _launch_of(c, 1).options}
+
+
 def instances() -> dict[str, list[str]]:
     """Every template instance the plans can ask for, by source (the CI compile test)."""
     fwd: dict[str, list[str]] = {FWD16_SOURCE: [], F32_SOURCE: []}
