@@ -65,6 +65,61 @@ def test_w_recurrence_matches_fp64_autograd(n, sizes, states, scale):
     _per_head_close(got, want, 1e-9, f"n={n} {sizes} {states} scale={scale}")
 
 
+def _dq_pass_model(q, k, v, g, s0, g_state, lg, scale: float, tile: int) -> torch.Tensor:
+    """dL/dlog(gamma) as docs/design.md plans it inside the backward's dq pass (query dL/do, key v,
+    value k; its state is S^T and W^T, Dv x Dk), for each tile of ``tile`` value columns (columns
+    of Dk) on its own, the tiles' partial sums added: per chunk, the row dots with q of
+    dL/do S^T (weight (tau+1) gamma^(tau+1)) and of dL/do W^T (weight gamma^(tau+1)), the intra sum
+    of (t-s) gamma^(t-s) (dL/do_t . v_s) (q_t . k_s) with q . k^T over the tile only, and <G, W_end>
+    on the tile. Returns ``[H]``."""
+    b, h, n, dk = q.shape
+    dv = v.shape[-1]
+    chunk = decay_grad.CHUNK
+    total = torch.zeros(h, dtype=F64)
+    lgh = lg.view(h, 1)
+    for j0 in range(0, dk, tile):
+        cols = slice(j0, min(dk, j0 + tile))
+        width = cols.stop - cols.start
+        s = (s0[:, :, cols].transpose(-1, -2).clone() if s0 is not None
+             else torch.zeros(b, h, dv, width, dtype=F64))
+        w = torch.zeros_like(s)
+        acc = torch.zeros(b, h, dtype=F64)
+        for c0 in range(0, n, chunk):
+            ln = min(chunk, n - c0)
+            tau = torch.arange(ln, dtype=F64)
+            gq, vv = g[:, :, c0:c0 + ln], v[:, :, c0:c0 + ln]
+            qq, kk = q[:, :, c0:c0 + ln, cols], k[:, :, c0:c0 + ln, cols]
+            pw = torch.exp(lgh * (tau + 1))                                      # [H, L]
+            acc = acc + (((tau + 1) * pw)[..., None] * (gq @ s) * qq).sum((-1, -2))
+            acc = acc + (pw[..., None] * (gq @ w) * qq).sum((-1, -2))
+            dist = tau[:, None] - tau[None, :]
+            weight = torch.where(dist >= 0, dist * torch.exp(lgh[..., None] * dist.clamp(min=0)),
+                                 torch.zeros((), dtype=F64))
+            acc = acc + ((gq @ vv.transpose(-1, -2)) * (qq @ kk.transpose(-1, -2)) * weight).sum((-1, -2))
+            m = ln - 1 - tau
+            e = torch.exp(lgh * m)
+            carry = torch.exp(lg * ln).view(h, 1, 1)
+            w = carry * (w + ln * s) + (vv * (m * e)[..., None]).transpose(-1, -2) @ kk
+            s = carry * s + (vv * e[..., None]).transpose(-1, -2) @ kk
+        total = total + scale * acc.sum(0)
+        if g_state is not None:
+            total = total + (g_state[:, :, cols].transpose(-1, -2) * w).sum((-1, -2)).sum(0)
+    return total
+
+
+@pytest.mark.parametrize("tile", (16, 64))
+@pytest.mark.parametrize("states", STATES, ids=lambda s: f"s0={int(s[0])}-G={int(s[1])}")
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("n", NS)
+def test_dq_pass_plan_matches_fp64_autograd(n, sizes, states, tile):
+    """The dq-pass form of dL/dlog(gamma) (docs/design.md's plan for the fused backward), tiles of
+    Dk summed, equals autograd through the fp64 reference for every head."""
+    q, k, v, g, s0, g_state = _inputs(7 * n + tile, n, *sizes, *states)
+    want = _autograd_dlog(q, k, v, g, s0, g_state, 0.7)
+    got = _dq_pass_model(q, k, v, g, s0, g_state, torch.log(torch.tensor(GAMMAS, dtype=F64)), 0.7, tile)
+    _per_head_close(got, want, 1e-9, "dq-pass plan")
+
+
 @pytest.mark.parametrize("states", STATES, ids=lambda s: f"s0={int(s[0])}-G={int(s[1])}")
 @pytest.mark.parametrize("n", (64, 130))
 def test_w_recurrence_equals_adjoint_formula(n, states):
