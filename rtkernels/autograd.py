@@ -301,8 +301,10 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, initial_state)
         ctx.call = call
         ctx.source_meta = None if log_decay_source is None else (log_decay_source.device, log_decay_source.dtype)
-        if call.launcher is not None:  # planned on these strides, any layout (it reads the pointers); a CUDA
-            state = call.launcher(q, k, v, out, initial_state, call.log_decay.raw)  # decay tensor as it is
+        if call.launcher is not None:
+            # the planned launch reads pointers, so the caller's layout serves as the planned views
+            # do (as in the cached call without autograd); a CUDA decay tensor is passed as it is
+            state = call.launcher(q, k, v, out, initial_state, call.log_decay.raw)
         else:
             out_view = out
             if call.bnhd:
