@@ -9,7 +9,7 @@ import torch
 
 from rtkernels.cli import main
 from rtkernels.instances import by_source, requests
-from rtkernels.jit import jit, kernel_cache
+from rtkernels.jit import jit
 
 SMALL = ("chunk/decay_grad_sum.cu", "chunk/seg_scan.cu")  # one instance each: quick to compile
 
@@ -23,14 +23,16 @@ def cache(tmp_path, monkeypatch):
 def test_compile_fills_the_cache_under_the_runtime_keys(cache, monkeypatch, capsys):
     assert main(["compile", "--arch", "sm_80", "--sources", *SMALL]) == 0
     assert "2 compiled, 0 already cached, 0 failed of 2 instances for sm_80" in capsys.readouterr().out
-    # the key get_function computes on a compute-capability 8.0 device
+    # get_function on a compute-capability 8.0 device finds them (the driver's module load stubbed)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(jit.Kernel, "load", staticmethod(lambda cached, dev, smem: cached))
+    monkeypatch.setattr(jit, "_functions", {})
+    before = len(jit.compile_log())
     for source in SMALL:
         for name in by_source()[source]:
-            arch, opts = jit._target(0, ())
-            assert arch == "sm_80"
-            entry = kernel_cache.load(jit._cache_key(source, name, arch, opts))
-            assert entry is not None and entry.kind == "cubin" and len(entry.image) > 1000
+            entry = jit.get_function(source, name, 0)
+            assert entry.kind == "cubin" and len(entry.image) > 1000
+    assert [r["from_cache"] for r in jit.compile_log()[before:]] == [True] * len(SMALL)
     assert main(["compile", "--arch", "sm_80", "--sources", *SMALL]) == 0
     assert "0 compiled, 2 already cached" in capsys.readouterr().out
 
@@ -48,6 +50,7 @@ def test_wgmma_instances_only_for_sm90():
 @pytest.mark.parametrize("argv, says", [
     (["compile", "--arch", "sm_80", "--sources", "nope.cu"], "no such kernel source: nope.cu"),
     (["compile", "--arch", "sm_80", "--jobs", "-1"], "--jobs must be 0"),
+    (["compile", "--arch", "sm_90a"], "--arch must be sm_<major><minor>"),
 ])
 def test_bad_arguments_exit_2(cache, capsys, argv, says):
     assert main(argv) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 
@@ -33,6 +34,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         major, minor = torch.cuda.get_device_capability()
         arch = f"sm_{major}{minor}"
+    if re.fullmatch(r"sm_\d+", arch) is None:  # the runtime keys by the GPU's own sm_XY (sm_90a: by option)
+        print(f"{PROG} compile: --arch must be sm_<major><minor> as a GPU reports it, e.g. sm_90 or sm_80; "
+              f"got {arch!r}", file=sys.stderr)
+        return 2
     unknown = sorted(set(args.sources) - set(by_source()))
     if unknown:
         print(f"{PROG} compile: no such kernel source: {', '.join(unknown)} (see rtkernels info)", file=sys.stderr)
