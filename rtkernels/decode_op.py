@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .api import _check_factor_or_rate, _check_inputs, _check_scale
 from .decay import KIND_RATE
-from .ops import decay_operands
+from .ops import decay_operands, require_tensors
 
 __all__ = ["decode_op"]
 
@@ -79,10 +79,7 @@ def _route(q: Any, k: Any, v: Any, state: Any, decay: Any, decay_rate: Any, scal
     if not torch.compiler.is_compiling() and torch._C._are_functorch_transforms_active():
         raise NotImplementedError("rtkernels.decode under torch.func transforms (vmap, grad) is not supported: "
                                   "fold the extra dimension into the batch (B) and its pool rows instead")
-    for x, name in ((q, "q"), (k, "k"), (v, "v"), (state, "state")):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor under torch.compile and torch.export "
-                            f"(CUDA arrays such as CuPy's are taken by the eager call only), got {type(x).__name__}")
+    require_tensors(((q, "q"), (k, "k"), (v, "v"), (state, "state")), "torch.compile and torch.export")
     tensor, kind, value = decay_operands(decay, decay_rate)
     if state_indices is not None and not isinstance(state_indices, Tensor):
         raise TypeError(f"state_indices must be None or an int32 tensor of shape [B], got {type(state_indices).__name__}")

@@ -50,7 +50,7 @@ from .autograd import _Call, call_gradients
 from .decay import KIND_FACTOR, KIND_RATE, LogDecay
 from .jit.dtypes import compute_dtype
 
-__all__ = ["causal_linear_attention", "forward_op", "backward_op", "decay_operands"]
+__all__ = ["causal_linear_attention", "forward_op", "backward_op", "decay_operands", "require_tensors"]
 
 #: Numbers passed to the op as they are, symbolic ones included (dynamo traces a SymFloat as a
 #: float); a plain float is checked by the fake implementation, a symbolic one when the op runs.
@@ -230,6 +230,15 @@ def _backward_vmap(info, in_dims, grad_out, grad_state, q, k, v, decay, decay_ki
     return res, (0, 0, 0, None, 0 if need_state else None)
 
 
+def require_tensors(named: tuple[tuple[Any, str], ...], under: str) -> None:
+    """A TypeError naming the first argument of ``named`` ((value, name) pairs) that is not a
+    torch tensor: an op takes tensors only (``under``: what is tracing, for the message)."""
+    for x, name in named:
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor under {under} (CUDA arrays such as CuPy's are "
+                            f"taken by the eager call only), got {type(x).__name__}")
+
+
 def decay_operands(decay: Any, decay_rate: Any) -> tuple[Optional[Tensor], int, Any]:
     """A public call's ``decay`` / ``decay_rate`` as an op's operands ``(tensor or None, kind, number
     or None)``: a tensor as it is, a number as a float (a symbolic one stays symbolic), the kind
@@ -262,10 +271,7 @@ def _route(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, meth
                 f"rtkernels.causal_linear_attention under torch.func transforms other than vmap "
                 f"({', '.join(sorted(others))}) is not supported: differentiate with torch.autograd "
                 f"(loss.backward(), torch.autograd.grad), which also works through torch.func.vmap")
-    for x, name in ((q, "q"), (k, "k"), (v, "v")):
-        if not isinstance(x, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor under torch.compile, torch.export and torch.func "
-                            f"(CUDA arrays such as CuPy's are taken by the eager call only), got {type(x).__name__}")
+    require_tensors(((q, "q"), (k, "k"), (v, "v")), "torch.compile, torch.export and torch.func")
     tensor, kind, value = decay_operands(decay, decay_rate)
     if initial_state is not None and not isinstance(initial_state, Tensor):
         raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
