@@ -112,9 +112,12 @@ LENS = (65, 1, 0, 130, 63, 200)  # packed sequences: an empty one, a partial las
 
 
 def _old_triton() -> bool:
+    import re
+
     import triton
 
-    return tuple(int(x) for x in triton.__version__.split(".")[:3] if x.isdigit()) < (3, 7, 1)
+    m = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", triton.__version__)
+    return m is not None and tuple(int(x or 0) for x in m.groups()) < (3, 7, 1)
 
 
 def _packed_reference(base, weights, cu, scale):
