@@ -287,33 +287,43 @@ class _Call:
 class CausalLinearAttentionFunction(torch.autograd.Function):
     """``(call, q, k, v, log_decay_source, initial_state, out) -> out`` or ``(out, final_state)``.
 
-    q, k, v are ``[B, H, N, D]`` views; ``out`` is the empty output in the caller's layout, filled
-    in place and returned (marked dirty); ``log_decay_source`` is :attr:`LogDecay.source` or None.
-    Not twice differentiable.
+    q, k, v and ``out`` (the empty output, filled in place and returned, marked dirty) are in the
+    caller's layout (``call.bnhd``): the ``[B, H, N, D]`` views are taken inside, where autograd
+    does not record them (a recorded view of a tensor that requires grad costs microseconds of
+    host time per call). ``log_decay_source`` is :attr:`LogDecay.source` or None. Not twice
+    differentiable.
     """
 
     @staticmethod
     def forward(ctx, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 log_decay_source: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
                 out: torch.Tensor):
-        out_view = out.transpose(1, 2) if call.bnhd else out
+        ctx.save_for_backward(q, k, v, initial_state)
+        ctx.call = call
+        ctx.source_meta = None if log_decay_source is None else (log_decay_source.device, log_decay_source.dtype)
+        out_view = out
+        if call.bnhd:
+            q, k, v, out_view = (t.transpose(1, 2) for t in (q, k, v, out))
         if call.launcher is not None:  # a CUDA decay tensor is passed as it is (the launch reads it)
             state = call.launcher(q, k, v, out_view, initial_state, call.log_decay.raw)
         else:
             state = run_method(call.method, q, k, v, call.log_decay, call.scale, out_view, initial_state,
                                call.return_state, fp32_precision=call.fp32_precision)
         ctx.mark_dirty(out)
-        ctx.save_for_backward(q, k, v, initial_state)
-        ctx.call = call
-        ctx.source_meta = None if log_decay_source is None else (log_decay_source.device, log_decay_source.dtype)
         return (out, state) if call.return_state else out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor, grad_state: Optional[torch.Tensor] = None):
         q, k, v, s0 = ctx.saved_tensors
+        call = ctx.call
+        if call.bnhd:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         _, *needs, _ = ctx.needs_input_grad
-        return (None, *call_gradients(ctx.call, q, k, v, s0, grad_out, grad_state, needs, ctx.source_meta), None)
+        dq, dk, dv, d_decay, d_s0 = call_gradients(call, q, k, v, s0, grad_out, grad_state, needs, ctx.source_meta)
+        if call.bnhd:
+            dq, dk, dv = (None if d is None else d.transpose(1, 2) for d in (dq, dk, dv))
+        return None, dq, dk, dv, d_decay, d_s0, None
 
 
 def call_gradients(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -372,8 +382,8 @@ def attention_with_grad(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.
                         scale: float, out: torch.Tensor, layout: str, initial_state: Optional[torch.Tensor],
                         return_state: bool, fp32_precision: str = "exact", launcher: Any = None
                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Run ``method`` (a name of ``METHODS``) on the ``[B, H, N, D]`` views q, k, v into ``out`` (the
-    empty output in ``layout``) with autograd history: ``(out, final_state or None)``.
+    """Run ``method`` (a name of ``METHODS``) on q, k, v in ``layout`` into ``out`` (the empty
+    output in ``layout``) with autograd history: ``(out, final_state or None)``.
     ``fp32_precision`` is the forward's float32 mode, as for :func:`rtkernels.methods.run_method`;
     ``launcher``: a planned kernel launch of ``method`` for these inputs (the forward runs it)."""
     call = _Call(method, log_decay, scale, layout == "bnhd", return_state, fp32_precision, launcher)
