@@ -301,12 +301,12 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, initial_state)
         ctx.call = call
         ctx.source_meta = None if log_decay_source is None else (log_decay_source.device, log_decay_source.dtype)
-        out_view = out
-        if call.bnhd:
-            q, k, v, out_view = (t.transpose(1, 2) for t in (q, k, v, out))
-        if call.launcher is not None:  # a CUDA decay tensor is passed as it is (the launch reads it)
-            state = call.launcher(q, k, v, out_view, initial_state, call.log_decay.raw)
+        if call.launcher is not None:  # planned on these strides, any layout (it reads the pointers); a CUDA
+            state = call.launcher(q, k, v, out, initial_state, call.log_decay.raw)  # decay tensor as it is
         else:
+            out_view = out
+            if call.bnhd:
+                q, k, v, out_view = (t.transpose(1, 2) for t in (q, k, v, out))
             state = run_method(call.method, q, k, v, call.log_decay, call.scale, out_view, initial_state,
                                call.return_state, fp32_precision=call.fp32_precision)
         ctx.mark_dirty(out)

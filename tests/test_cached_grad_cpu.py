@@ -37,7 +37,13 @@ def planned(monkeypatch):
         plans.append((q.shape, need_state))
         host = LogDecay(q.device, host=log_decay.host) if log_decay.host is not None else None
 
+        planned_shape = q.shape
+
         def launch(q, k, v, out, s0=None, decay=None):
+            # a kernel launch reads pointers and takes the caller's layout as well as the planned
+            # [B, H, N, D] views; the torch path needs the views
+            if q.shape != planned_shape:
+                q, k, v, out = (t.transpose(1, 2) for t in (q, k, v, out))
             ld = host if decay is None else LogDecay(q.device, raw=decay, kind=log_decay.kind)
             return run_torch_path(chunk_pkg.torch_forward, q, k, v, ld, scale, out, s0, need_state)
         return launch
