@@ -23,6 +23,8 @@ do = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
 def step():
     o = rtkernels.causal_linear_attention(q, k, v, decay, method="chunk")
     o.backward(do)
+    for x in (q, k, v):
+        x.grad = None
 
 
 for _ in range(5):

@@ -25,6 +25,16 @@
 // NaN in a later row of v. So when a chunk's v holds a non-finite value, the operand of P V has
 // it zeroed and the outputs the causal sum reaches (rows t >= s, same column) are set to NaN.
 // The state update uses v as it is, so later chunks see the NaN through S.
+//
+// DLOG (the backward's dq pass of a trainable decay: q = dL/do, k = v, v = k of the forward, x = its
+// q, read with v's strides; wgmma, bf16, BV 64): the pass also sums its share of dL/dlog(gamma),
+//   scale * sum_t x_t . ( (t+1) gamma^(t+1) q_t S + gamma^(t+1) q_t W )
+//     + sum_{s<t} (t-s) P_ts (x_t . v_s)                       (P_ts = scale gamma^(t-s) q_t . k_s)
+// per chunk, over this tile's BV columns (the tiles' sums add up to the whole, every term being
+// linear in x and v), with W = dS/dlog(gamma) carried beside S by the state warps,
+//   W = gamma^len (W + len S) + sum_s (len-1-s) gamma^(len-1-s) k_s^T v_s,
+// and published as a 16-bit copy like S's. Each CTA writes one float to dlog_out[row][tile][h];
+// rtkernels/methods/chunk/decay_grad.py has the math and the sum over the CTAs.
 
 #include "../include/copy.cuh"
 #include "../include/mma_sm80.cuh"
@@ -47,19 +57,21 @@
 // (the wgmma kernel): 128-byte-swizzled regions of 64 columns (rtk_swz_off), 1024-byte aligned,
 // the layout wgmma descriptors read. The *_off functions give the element offset of 16-byte
 // piece p of row r; KS and VS are the element step from one row to the next in the same piece.
-template <int KMAX, int BV, bool SW>
+template <int KMAX, int BV, bool SW, bool DLOG = false>
 struct rtk_chunk_smem {
   static constexpr int C = 64;
   static constexpr int KS = SW ? 64 : KMAX + 8;
   static constexpr int VS = SW ? 64 : BV + 8;
   static constexpr int Q = 0, K = Q + C * (SW ? KMAX : KS), V = K + C * (SW ? KMAX : KS);
-  static constexpr int STAGE = V + C * (SW ? BV : VS);
+  static constexpr int X = V + C * (SW ? BV : VS);  // DLOG: the chunk's rows of x, laid out as v
+  static constexpr int STAGE = X + (DLOG ? C * (SW ? BV : VS) : 0);
   // two 16-bit copies of the state, KMAX x BV each: the state entering chunk c in copy c % 2;
   // KMAX 256 keeps one (its tiles fill the 163 KB of an A100), written after an extra barrier
   static constexpr int S = 2 * STAGE, SCOPY = KMAX * (SW ? BV : VS), NCOPY = KMAX == 256 ? 1 : 2;
   // SW only: two buffers of the chunk's 64 output rows on their way to global memory (rows of
   // BV + 8 elements: conflict-free stmatrix, 16-byte aligned rows for the bulk copies)
-  static constexpr int OS = BV + 8, O = S + NCOPY * SCOPY;
+  static constexpr int W = S + NCOPY * SCOPY;  // DLOG: the copies of W, as those of S
+  static constexpr int OS = BV + 8, O = W + (DLOG ? NCOPY * SCOPY : 0);
   static constexpr int ELEMS = O + (SW ? 2 * C * OS : 0);
   static constexpr int ALIGN = SW ? 1024 : 0;            // slack for aligning the base
   // + fp16 scaling: max|S| of the 4 state warps, 2 slots; + rtk_cta_sync_or's ring (2 words)
@@ -75,7 +87,8 @@ struct rtk_chunk_smem {
 // WG (sm_90a only, KMAX <= 128, BV a multiple of 64): the output warps form one warpgroup that
 // computes the chunk with wgmma (q k^T and q S from shared memory, P v with P from registers);
 // otherwise each output warp uses mma.sync on its 16 rows.
-template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG>
+// DLOG: see the header (16-byte aligned rows, wgmma, bf16, BV 64, mode RTK_MODE_FUSED only).
+template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG, bool DLOG = false>
 __global__ void __launch_bounds__(256, MINB)
 rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p) {
   RTK_FWD_SHAPE(p.f);
@@ -83,7 +96,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   const rtk_i64 seg_len = p.seg_len;
   const int mode = (int)p.mode;
   const bool states_only = mode == RTK_MODE_STATES;
-  typedef rtk_chunk_smem<KMAX, BV, WG> L;
+  typedef rtk_chunk_smem<KMAX, BV, WG, DLOG> L;
   // A second CTA barrier per chunk, before the state warps write the next state copy: with one
   // copy (KMAX 256), and for fp16, whose copy is scaled by the 4 state warps' common maximum
   // (a barrier of the state warps alone would do, but compute-sanitizer's racecheck reported
@@ -95,6 +108,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   constexpr rtk_u32 EXP = rtk_expmask<DT>::v;
   static_assert(BV % 16 == 0 && KMAX % 64 == 0, "bad tile");
   static_assert(!WG || (KMAX <= 128 && BV % 64 == 0), "bad wgmma tile");
+  // (the W copy would need fp16's scaling of the S copy; bf16 has the range)
+  static_assert(!DLOG || (WG && VEC && BV == 64 && DT == RTK_BF16), "bad dlog tile");
 
   extern __shared__ __align__(16) unsigned char smem_base[];
   constexpr rtk_u32 AL = L::ALIGN > 0 ? L::ALIGN : 1;
@@ -123,6 +138,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   const LD ld(tid - 128, Dk, dv_here, qb, kb, vb, q_sn, k_sn, v_sn);
   constexpr int VROWS = LD::VROWS;
   const int st = ld.st, vcol = ld.vcol, vrow = ld.vrow;
+  const rtk_u16* xb = DLOG ? reinterpret_cast<const rtk_u16*>(p.dlog_x) + rtk_offset(vs, b, h, n_begin) + v0 : nullptr;
+  const rtk_u16* x_first = DLOG ? ld.tile_first(xb) : nullptr;
   auto load_chunk = [&](int chunk, int stage) {
     rtk_u16* sQ = sm + stage * L::STAGE + L::Q;
     rtk_u16* sK = sm + stage * L::STAGE + L::K;
@@ -132,6 +149,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       ld.template copy<C, KS, VS>(rtk_smem_addr(sQ + L::qk_off(ld.qrow, ld.qcol >> 3)),
                                   rtk_smem_addr(sK + L::qk_off(ld.qrow, ld.qcol >> 3)),
                                   rtk_smem_addr(sV + L::v_off(vrow, vcol >> 3)), n0, NS, !states_only);
+      if (DLOG) ld.template copy_tile<C, VS>(rtk_smem_addr(sm + stage * L::STAGE + L::X + L::v_off(vrow, vcol >> 3)),
+                                              x_first, xb, n0, NS);
     } else {
       for (int e = st; e < C * KMAX; e += 128) {
         const int r = e / KMAX, col = e - r * KMAX;
@@ -189,6 +208,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     // the wgmma kernel sends whole, 16-byte aligned output rows with bulk copies
     const bool osend = WG && ovec_full && o_sn % 8 == 0 && (reinterpret_cast<size_t>(ob + v0) & 15) == 0;
     float s_inv = 1.f;  // the state copy holds S * 2^e (fp16); s_inv = 2^-e
+    float dlog_sum = 0.f;  // DLOG: this thread's share of the CTA's sum
     if (SERIAL) rtk_cta_sync();  // (the state warps' next_copy)
     bool v_bad = end_period(0);   // chunk 0 and the first state copy are in place
     auto out_end = [&](int chunk) -> bool {
@@ -255,7 +275,20 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
             rtk_wgmma_ss<DT, 1>(oa, rtk_desc_at(dq, kmaj(ks)), rtk_desc_at(ds, (nb * (KMAX * 128) + ks * 2048) >> 4), ks);
         }
         rtk_wg_commit();
-        rtk_wg_wait<1>();
+        float wacc[DLOG ? 32 : 1], xv[DLOG ? 32 : 1];  // DLOG: q W (rows of the W copy), x v^T
+        if constexpr (DLOG) {
+          const rtk_u32 sW_addr = rtk_smem_addr(sm + L::W + stage * L::SCOPY);
+          const rtk_u32 sX_addr = rtk_smem_addr(sm + stage * L::STAGE + L::X);
+          const unsigned long long dw = rtk_wg_desc(sW_addr, RTK_MN_LBO(KMAX * 128), RTK_MN_SBO(KMAX * 128));
+          const unsigned long long dx = rtk_wg_desc(sX_addr, 16, 1024), dvk = rtk_wg_desc(sV_addr, 16, 1024);
+          #pragma unroll
+          for (int ks = 0; ks < KMAX / 16; ++ks)
+            rtk_wgmma_ss<DT, 1>(wacc, rtk_desc_at(dq, kmaj(ks)), rtk_desc_at(dw, (ks * 2048) >> 4), ks);
+          #pragma unroll
+          for (int ks = 0; ks < BV / 16; ++ks) rtk_wgmma_ss<DT, 0>(xv, rtk_desc_at(dx, kmaj(ks)), rtk_desc_at(dvk, kmaj(ks)), ks);
+          rtk_wg_commit();
+        }
+        rtk_wg_wait<DLOG ? 2 : 1>();
         rtk_wg_pin(pa);
         // P: gamma^(t-s) * scale for s <= t, 0 above the diagonal (code per warp: no branches)
         switch (w) {
@@ -273,6 +306,32 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         for (int nt = 0; nt < NT; ++nt) {
           o_acc[nt][0] *= f_lo; o_acc[nt][1] *= f_lo;
           o_acc[nt][2] *= f_hi; o_acc[nt][3] *= f_hi;
+        }
+        if constexpr (DLOG) {
+          rtk_wg_pin(wacc);
+          rtk_wg_pin(xv);
+          // sum_{s<t} (t-s) P_ts (x_t . v_s): a select above and on the diagonal (x.v may be Inf)
+          #pragma unroll
+          for (int j = 0; j < 8; ++j)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int d = r0 + g + (e >> 1) * 8 - (8 * j + 2 * t4 + (e & 1));
+              dlog_sum += d > 0 ? (float)d * p[j][e] * xv[4 * j + e] : 0.f;
+            }
+          // x_t . ((t+1) gamma^(t+1) scale q_t S + gamma^(t+1) scale q_t W), before P v joins o_acc
+          const rtk_u16* sX = sm + stage * L::STAGE + L::X;
+          #pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int t = r0 + g + 8 * hh;
+            const float tw = (float)(t + 1), f = hh ? f_hi : f_lo;
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              float x0, x1;
+              rtk_unpack2<DT>(*reinterpret_cast<const rtk_u32*>(sX + L::v_off(t, nt) + 2 * t4), x0, x1);
+              dlog_sum += x0 * (tw * o_acc[nt][2 * hh] + f * wacc[4 * nt + 2 * hh]) +
+                          x1 * (tw * o_acc[nt][2 * hh + 1] + f * wacc[4 * nt + 2 * hh + 1]);
+            }
+          }
         }
         if (!v_bad) {  // P v: P from registers, v from shared memory
           rtk_u32 a[4][4];
@@ -364,10 +423,22 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       v_bad = out_end(chunk);  // done with this stage and this state copy
     }
     if (WG && osend) rtk_bulk_wait_all<0>();
+    if constexpr (DLOG) {  // the CTA's sum, in a fixed order (bf16: s_red, fp16's, is free)
+      #pragma unroll
+      for (int off = 16; off > 0; off >>= 1) dlog_sum += __shfl_xor_sync(0xffffffffu, dlog_sum, off);
+      if (lane == 0) s_red[w] = dlog_sum;
+      rtk_named_sync(2, 128);
+      if (tid == 0)
+        reinterpret_cast<float*>(p.dlog_out)[((rtk_i64)b_row * gridDim.y + blockIdx.y) * H + h] =
+            (s_red[0] + s_red[1]) + (s_red[2] + s_red[3]);
+    }
   } else {
     // ---- state warps: fp32 state in registers, 16-bit copy in shared memory --------------------
     const int sr0 = (warp - 4) * MT * 16;  // first state row of a state warp
     float s_acc[MT][NT][4];
+    float w_acc[DLOG ? MT : 1][NT][4];  // DLOG: W = dS/dlog(gamma), from 0
+    #pragma unroll
+    for (int mt = 0; mt < (DLOG ? MT : 1); ++mt) rtk_zero(w_acc[mt]);
     const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, mode == RTK_MODE_FOLD ? 0 : state_slot};
     if (mode == RTK_MODE_FOLD) sf.fold(s_acc, init_state, rtk_head_log_decay(decay, decay_mode, h), seg_len, gridDim.x);
     else sf.load(s_acc, init_state);
@@ -394,6 +465,12 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       sf.pairs(s_acc, [&](int r, int c, float lo, float hi) {
         rtk_store_pair<DT>(sS + L::s_off(r, c >> 3) + (c & 7), lo * mul, hi * mul);
       });
+      if constexpr (DLOG) {
+        rtk_u16* sW = sm + L::W + slot * L::SCOPY;
+        sf.pairs(w_acc, [&](int r, int c, float lo, float hi) {
+          rtk_store_pair<DT>(sW + L::s_off(r, c >> 3) + (c & 7), lo, hi);
+        });
+      }
     };
     // once per period (and before the first): with SERIAL a CTA barrier between publishing the
     // fp16 maximum and writing the copy (and, with one copy, after the output warps' reads of it)
@@ -416,19 +493,39 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
       // ---- state warps: S = gamma^len S + (K * w)^T V, w_s = gamma^(len-1-s) ----------------
       const float carry = rtk_exp2(lg2 * (float)len);
+      if constexpr (DLOG) {  // W = gamma^len (W + len S), before S moves on
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          #pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) w_acc[mt][nt][e] = carry * (w_acc[mt][nt][e] + (float)len * s_acc[mt][nt][e]);
+      }
       rtk_frag_scale(s_acc, carry);
       #pragma unroll 1
       for (int kk = 0; kk * 16 < len; ++kk) {
         {
           const int s_a = kk * 16 + 2 * t4, s_b = s_a + 8;
-          const rtk_u32 wa = rtk_pack2<DT>(s_a < len ? rtk_exp2(lg2 * (float)(len - 1 - s_a)) : 0.f,
-                                           s_a + 1 < len ? rtk_exp2(lg2 * (float)(len - 2 - s_a)) : 0.f);
-          const rtk_u32 wb = rtk_pack2<DT>(s_b < len ? rtk_exp2(lg2 * (float)(len - 1 - s_b)) : 0.f,
-                                           s_b + 1 < len ? rtk_exp2(lg2 * (float)(len - 2 - s_b)) : 0.f);
-          rtk_u32 a[MT][4];
+          // gamma^m, m = len-1-s (0 past the chunk's end), and for W m gamma^m
+          float e4[4];
+          #pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int s_i = (i < 2 ? s_a : s_b) + (i & 1);
+            e4[i] = s_i < len ? rtk_exp2(lg2 * (float)(len - 1 - s_i)) : 0.f;
+          }
+          const rtk_u32 wa = rtk_pack2<DT>(e4[0], e4[1]), wb = rtk_pack2<DT>(e4[2], e4[3]);
+          rtk_u32 a[MT][4], a2[DLOG ? MT : 1][4];
           #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * L::qk_off(kk * 16 + (lane & 7) + (lane >> 4) * 8, (sr0 + mt * 16) / 8 + ((lane >> 3) & 1)));
+            if constexpr (DLOG) {
+              const rtk_u32 wa2 = rtk_pack2<DT>((float)(len - 1 - s_a) * e4[0], (float)(len - 2 - s_a) * e4[1]);
+              const rtk_u32 wb2 = rtk_pack2<DT>((float)(len - 1 - s_b) * e4[2], (float)(len - 2 - s_b) * e4[3]);
+              a2[mt][0] = rtk_mul2<DT>(a[mt][0], wa2);
+              a2[mt][1] = rtk_mul2<DT>(a[mt][1], wa2);
+              a2[mt][2] = rtk_mul2<DT>(a[mt][2], wb2);
+              a2[mt][3] = rtk_mul2<DT>(a[mt][3], wb2);
+            }
             a[mt][0] = rtk_mul2<DT>(a[mt][0], wa);  // k_s * gamma^(len-1-s), s = kk*16 + 2*t4 + {0, 1}
             a[mt][1] = rtk_mul2<DT>(a[mt][1], wa);
             a[mt][2] = rtk_mul2<DT>(a[mt][2], wb);  // s + 8
@@ -442,6 +539,10 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
             for (int mt = 0; mt < MT; ++mt) {
               rtk_mma16816<DT>(s_acc[mt][2 * np], a[mt], bb[0], bb[1]);
               rtk_mma16816<DT>(s_acc[mt][2 * np + 1], a[mt], bb[2], bb[3]);
+              if constexpr (DLOG) {
+                rtk_mma16816<DT>(w_acc[mt][2 * np], a2[mt], bb[0], bb[1]);
+                rtk_mma16816<DT>(w_acc[mt][2 * np + 1], a2[mt], bb[2], bb[3]);
+              }
             }
           }
         }

@@ -32,16 +32,13 @@ struct rtk_chunk_loader {
   __device__ __forceinline__ void copy(rtk_u32 dq, rtk_u32 dk, rtk_u32 dv, int n0, int NS, bool with_q) const {
     const char* qp = reinterpret_cast<const char*>(q_first + (rtk_i64)n0 * q_sn);
     const char* kp = reinterpret_cast<const char*>(k_first + (rtk_i64)n0 * k_sn);
-    const char* vp = reinterpret_cast<const char*>(v_first + (rtk_i64)n0 * v_sn);
-    const rtk_i64 qstep = SZ * QROWS * q_sn, kstep = SZ * QROWS * k_sn, vstep = SZ * VROWS * v_sn;
+    const rtk_i64 qstep = SZ * QROWS * q_sn, kstep = SZ * QROWS * k_sn;
     if (n0 + C <= NS) {  // a whole chunk: no row checks
       #pragma unroll
       for (int u = 0; u < C / QROWS; ++u, qp += qstep, kp += kstep) {
         if (with_q) rtk_cp_async16(dq + SZ * u * QROWS * KS, qp, qbytes);
         rtk_cp_async16(dk + SZ * u * QROWS * KS, kp, qbytes);
       }
-      #pragma unroll
-      for (int u = 0; u < C / VROWS; ++u, vp += vstep) rtk_cp_async16(dv + SZ * u * VROWS * VS, vp, vbytes);
     } else {
       #pragma unroll
       for (int u = 0; u < C / QROWS; ++u, qp += qstep, kp += kstep) {
@@ -49,11 +46,25 @@ struct rtk_chunk_loader {
         if (with_q) rtk_cp_async16(dq + SZ * u * QROWS * KS, in ? (const void*)qp : (const void*)qb, in ? qbytes : 0);
         rtk_cp_async16(dk + SZ * u * QROWS * KS, in ? (const void*)kp : (const void*)kb, in ? qbytes : 0);
       }
-      #pragma unroll
-      for (int u = 0; u < C / VROWS; ++u, vp += vstep) {
-        const bool in = n0 + vrow + u * VROWS < NS;
-        rtk_cp_async16(dv + SZ * u * VROWS * VS, in ? (const void*)vp : (const void*)vb, in ? vbytes : 0);
-      }
+    }
+    copy_tile<C, VS>(dv, v_first, vb, n0, NS);
+  }
+
+  // The first row of this thread's pieces of a BV-wide tile like v's (same strides) at `base`.
+  __device__ __forceinline__ const T* tile_first(const T* base) const {
+    return base + (rtk_i64)vrow * v_sn + (vbytes ? vcol : 0);
+  }
+  // cp.async of chunk rows n0 .. n0 + C - 1 of a BV-wide tile with v's strides (first: its
+  // tile_first, base: row 0), the rows >= NS zero-filled, to shared address dst.
+  template <int C, int VS>
+  __device__ __forceinline__ void copy_tile(rtk_u32 dst, const T* first, const T* base, int n0, int NS) const {
+    const char* vp = reinterpret_cast<const char*>(first + (rtk_i64)n0 * v_sn);
+    const rtk_i64 vstep = SZ * VROWS * v_sn;
+    const bool whole = n0 + C <= NS;
+    #pragma unroll
+    for (int u = 0; u < C / VROWS; ++u, vp += vstep) {
+      const bool in = whole || n0 + vrow + u * VROWS < NS;
+      rtk_cp_async16(dst + SZ * u * VROWS * VS, in ? (const void*)vp : (const void*)base, in ? vbytes : 0);
     }
   }
 };

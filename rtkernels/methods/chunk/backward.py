@@ -72,7 +72,7 @@ from ...jit import kernels_available
 from ...jit.dtypes import compute_dtype
 from .._torch_common import decay_powers, run_torch_path
 from . import launch, plan
-from .decay_grad import kernel_log_decay_grad
+from .decay_grad import dq_pass_partials, dq_pass_sums, kernel_log_decay_grad, sum_partials
 from .torch_path import torch_forward
 
 __all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "gradient_passes", "kernel_backward", "supports", "register"]
@@ -98,8 +98,8 @@ def kernel_runs(*tensors: torch.Tensor) -> bool:
 
 def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                  out: torch.Tensor, initial_state: Optional[torch.Tensor], need_state: bool,
-                 reverse: bool, fp32_precision: str = "exact", on_kernel: Optional[bool] = None
-                 ) -> Optional[torch.Tensor]:
+                 reverse: bool, fp32_precision: str = "exact", on_kernel: Optional[bool] = None,
+                 dlog: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
     """The forward operator into ``out`` (``[B, H, N, Dv]``), in token order or, with ``reverse``,
     on the reversed sequence with its output written back in reverse order (``initial_state``
     entering before token N-1, the final state, returned when ``need_state``, after token 0).
@@ -107,10 +107,11 @@ def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: L
     The ``chunk`` kernel where it takes q, k, v and ``out`` (reversal by negated strides, no copy);
     otherwise the torch ``chunk`` path in the compute dtype on ``torch.flip``-ped copies.
     Work O(N C (Dk + Dv) + N Dk Dv). ``on_kernel``: :func:`kernel_runs` for these operands, if the
-    caller knows it already."""
+    caller knows it already. ``dlog``: (x, partial sums) for the dq pass that also sums dlog(gamma)
+    (kernel only; :func:`.decay_grad.dq_pass_sums` decides)."""
     if kernel_runs(q, k, v, out) if on_kernel is None else on_kernel:
         return launch.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state, fp32_precision,
-                                     reverse=reverse)
+                                     reverse=reverse, dlog=dlog)
     if not reverse:
         return run_torch_path(torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)
     flipped = torch.empty_like(out)
@@ -141,17 +142,22 @@ def _add_state_term(dst: torch.Tensor, x: torch.Tensor, m: torch.Tensor, lg: tor
 
 def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     log_decay: LogDecay, scale: float, initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
-                    grad_state: Optional[torch.Tensor], need_state_grad: bool, dtype: torch.dtype
+                    grad_state: Optional[torch.Tensor], need_state_grad: bool, dtype: torch.dtype,
+                    dlog_partials: Optional[torch.Tensor] = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The three passes of the module docstring, each ``run(q, k, v, log_decay, scale, out,
     initial_state, need_state, reverse)`` (a forward pass into ``out``; :func:`forward_pass` here,
     the packed one for ``cu_seqlens``): ``(dq, dk, dv, scale gamma R or None, log(gamma) or None)``,
     dq, dk, dv in ``dtype``, R the dv pass's final state (the start of dS_0, without the G term),
-    log(gamma) in the compute dtype where the G terms or dS_0 need it."""
+    log(gamma) in the compute dtype where the G terms or dS_0 need it. ``dlog_partials``: the dq
+    pass also writes its partial sums of dlog(gamma) there (``run`` then takes ``dlog=(q, it)``)."""
     cdt = compute_dtype(q.dtype)
     dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
-    run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False)
+    if dlog_partials is None:
+        run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False)
+    else:
+        run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, dlog=(q, dlog_partials))
     run(v, grad_out, q, log_decay, scale, dk, None, False, True)
     back = run(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True)
     # log(gamma) in torch only where the state terms need it (a device decay costs several ops)
@@ -173,11 +179,14 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     n = q.shape[2]
     on_kernel = kernel_runs(q, k, v, grad_out)
 
-    def run(*args):  # one pass: the kernel where it takes the operands, else the torch path
-        return forward_pass(*args, fp32_precision, on_kernel)
+    def run(*args, dlog=None):  # one pass: the kernel where it takes the operands, else the torch path
+        return forward_pass(*args, fp32_precision, on_kernel, dlog)
 
+    # dlog(gamma) inside the dq pass where it can (decay_grad's docstring), else its own kernel below
+    fused = need_decay_grad and on_kernel and dq_pass_sums(q, k, v, grad_out, grad_state)
+    partials = dq_pass_partials(q, v) if fused else None
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
-                                           need_state_grad, q.dtype if on_kernel else cdt)
+                                           need_state_grad, q.dtype if on_kernel else cdt, partials)
     if grad_state is not None:
         g_state = grad_state.to(cdt)
         _add_state_term(dk, v, g_state.transpose(-1, -2), lg)
@@ -185,7 +194,9 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
         if need_state_grad:
             d_s0 += torch.exp(lg * n).view(-1, 1, 1) * g_state
     d_log, of_source = None, False
-    if need_decay_grad:
+    if fused:
+        d_log, of_source = sum_partials(partials, log_decay, True), True
+    elif need_decay_grad:
         if on_kernel and q.dtype != torch.float32:  # the sum kernel applies the decay's chain rule too
             d_log, of_source = kernel_log_decay_grad(q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
                                                      for_source=True), True

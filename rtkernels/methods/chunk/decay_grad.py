@@ -36,6 +36,21 @@ causal block of two 64 x 64 score matrices (q k^T over KMAX, recomputed for each
 do v^T over BV): about one forward pass. Memory: a ``[B, tiles, H]`` fp32 buffer. The chunks of a (batch, head) are walked in one
 CTA (no split-sequence strategy), so few (batch, head) pairs with a long sequence leave
 multiprocessors idle.
+
+**Inside the dq pass.** Where the backward's dq pass runs the wgmma kernel in bf16
+(:func:`dq_pass_sums`), that pass computes the same sum instead of this kernel, with no second walk
+over the sequence (``cuda_src/chunk/fwd16.cu``, DLOG). The pass is the forward operator with
+queries g = dL/do, keys v and values k; a CTA holds S^T (and W^T, carried beside it by the state
+warps as above) for a tile of 64 columns of Dk, and its output warps hold g_t S^T scaled by
+scale gamma^(t+1), the scores g_t . v_s scaled by scale gamma^(t-s), and (new) g_t W^T and the
+partial scores q_t . k_s over the tile's columns. Dotting with q_t's columns of the tile::
+
+    sum_t q_t . ((t+1) scale gamma^(t+1) g_t S^T + scale gamma^(t+1) g_t W^T) + sum_{s<t} (t-s) P_ts (q_t . k_s)
+
+is the tile's share of the first two terms above (every term is linear in q's and k's columns, so
+the tiles' shares add up to the whole), summed in fp32 and written once per CTA into the same
+kind of buffer, then summed by the same second launch. The products read the 16-bit copies of S
+and W (rounded once, as the forward's S copy), the scores P in fp32 (not rounded to 16 bits).
 """
 
 from __future__ import annotations
@@ -48,10 +63,10 @@ import torch
 from ...decay import LogDecay
 from ...jit import dtype_code, get_function, launch
 from .._launch import fwd_tail, unit_stride
-from .plan import _sm_count, aligned
+from .plan import _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config
 
 __all__ = ["SOURCE", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "all_configs", "name_expression", "smem_bytes",
-           "kernel_log_decay_grad", "torch_w_recurrence"]
+           "kernel_log_decay_grad", "dq_pass_sums", "dq_pass_partials", "sum_partials", "torch_w_recurrence"]
 
 SOURCE = "chunk/decay_grad.cu"
 #: The kernel that sums the partial sums per head (and applies the decay's chain rule).
@@ -124,12 +139,42 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
             0 if s0 is None else s0.data_ptr(), 0 if g is None else g.data_ptr(), partial.data_ptr(),
             *fwd_tail(q, k, v, grad_out, float(scale), mode))
     launch(fn, (b * h, tiles, 1), (256, 1, 1), args, dev, shared_mem=smem, pointers=8)  # then rtk_fwd_shape
-    out = torch.empty(h, dtype=torch.float32, device=q.device)
+    return sum_partials(partial, log_decay, for_source)
+
+
+def sum_partials(partial: torch.Tensor, log_decay: LogDecay, for_source: bool) -> torch.Tensor:
+    """``[H]`` float32: the ``[rows, tiles, H]`` float32 partial sums added per head, in a fixed
+    order, in fp64 (``rtk_chunk_decay_grad_sum``); with ``for_source`` and a CUDA decay tensor of
+    factors or rates, times the decay's chain rule (dL/d(the caller's tensor)). One launch."""
+    rows, tiles, h = partial.shape
+    dev = partial.device.index
+    decay, mode = log_decay.kernel_arg()
+    out = torch.empty(h, dtype=torch.float32, device=partial.device)
     if not for_source:  # the log kind: the sum alone, the decay argument never read
         mode &= ~(3 << 2)
     launch(get_function(SUM_SOURCE, SUM_KERNEL, dev), (-(-h // 128), 1, 1), (128, 1, 1),
-           (partial.data_ptr(), out.data_ptr(), decay, b * tiles, h, mode), dev, pointers=3)
+           (partial.data_ptr(), out.data_ptr(), decay, rows * tiles, h, mode), dev, pointers=3)
     return out
+
+
+def dq_pass_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                 grad_state: Optional[torch.Tensor]) -> bool:
+    """Whether the backward's dq pass over these ``[B, H, N, D]`` views (16-bit CUDA tensors the
+    chunk kernel takes) can sum dlog(gamma) itself (module docstring): bf16, every row 16-byte
+    aligned, q and k with one set of strides (the pass reads q with the strides of its values, k),
+    Dv <= 128, a GPU that runs the wgmma kernel, and no gradient of the final state (its term
+    needs W at the end; this kernel adds it)."""
+    return (grad_state is None and q.stride() == k.stride() and q.stride(-1) == 1
+            and all(aligned(x) for x in (q, k, v, grad_out))
+            and dlog_config(q.dtype, v.shape[-1], True) is not None
+            and _wgmma_ok(q.device.index, current_overrides()))
+
+
+def dq_pass_partials(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The ``[B, tiles, H]`` float32 buffer the dq pass writes its partial sums into (tiles of 64
+    columns of Dk)."""
+    b, h, _, dk = q.shape
+    return torch.empty(b, -(-dk // 64), h, dtype=torch.float32, device=q.device)
 
 
 def torch_w_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, scale: float,

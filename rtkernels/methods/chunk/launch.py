@@ -14,8 +14,8 @@ from ...decay import LogDecay
 from ...jit import get_function, launch as _launch_kernel
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
 from .plan import (CHUNK_KERNEL, MODE_FOLD, MODE_FUSED, MODE_STATES, SEG_SCAN_SOURCE, STATES_SOURCE, Launch,
-                   _sm_count, _smem_limit, aligned, current_overrides, key_pieces, packed_launch, plan_launch,
-                   states_config, states_name, states_smem_bytes, tuned_launch)
+                   _launch_of, _sm_count, _smem_limit, aligned, current_overrides, dlog_config, key_pieces,
+                   packed_launch, plan_launch, states_config, states_name, states_smem_bytes, tuned_launch)
 
 __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "call_pieces"]
 
@@ -64,6 +64,10 @@ class ChunkLaunch:
     row per (sequence, head), one segment (:func:`.plan.packed_launch`), states ``[S, H, Dk, Dv]``;
     each call then takes ``seqs``, the addresses of the int64 offsets and of their validity flag
     (device tensors: they go into the struct parameter, packed per call).
+
+    ``dlog``: the instance that also sums dlog(gamma) (:func:`.plan.dlog_config`, which must exist
+    for these operands; the backward's dq pass), one segment; each call then takes ``dlog``, the
+    addresses of x and of the ``[rows, Dv / 64, H]`` float32 partial sums.
     """
 
     __slots__ = ("fused", "states", "scan", "device", "log_decay", "decay_ptr", "nseg", "state_shape", "need_state",
@@ -71,7 +75,7 @@ class ChunkLaunch:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
                  out: torch.Tensor, need_state: bool, reverse: bool = False, fp32_precision: str = "exact",
-                 tuned: Optional[Config] = None, sequences: int = 0):
+                 tuned: Optional[Config] = None, sequences: int = 0, dlog: bool = False):
         b, h, n, dk = q.shape
         dv = v.shape[-1]
         vec = aligned(q, reverse) and aligned(k, reverse) and aligned(v, reverse)
@@ -83,6 +87,9 @@ class ChunkLaunch:
         over = current_overrides()
         if sequences:
             bh = sequences * h
+        if dlog:
+            lp = _launch_of(dlog_config(q.dtype, dk, vec), 1)
+        elif sequences:
             lp = packed_launch(q.dtype, dk, dv, vec, bh, max(1, n // sequences), dev, over, exact)
         else:
             lp = pass_launch(q.dtype, b, h, n, dk, dv, dev, vec, exact, tuned)
@@ -100,21 +107,21 @@ class ChunkLaunch:
         self.state_shape = (sequences or b, h, dk, dv)
         self.scan = None
         self.packed = None
-        if sequences:  # the offsets' addresses change per call: the struct is packed at each launch
+        if sequences or dlog:  # addresses that change per call: the struct is packed at each launch
             self.packed = (fn, grid, block, smem, dev, (*tail, seg_len, MODE_FUSED), int(reverse))
             self.fused = None
             return
         # head: q, k, v, out, log-decay, initial state, final state pointers; no packed sequences
         self.fused = fn.bind(grid, block, smem, dev, FWD_POINTERS,
-                             (*tail, seg_len, MODE_FOLD if fold else MODE_FUSED, 0, 0, 0))
+                             (*tail, seg_len, MODE_FOLD if fold else MODE_FUSED, 0, 0, 0, 0, 0))
         if fold:
             sc = states_config(q.dtype, dk, dv, vec, _smem_limit(dev))
             ssmem = states_smem_bytes(sc[1], sc[2], sc[4])
             sfn = get_function(STATES_SOURCE, states_name(sc), dev, dynamic_smem=ssmem)
             self.states = sfn.bind((bh, -(-dv // sc[2]), nseg - 1), block, ssmem, dev, FWD_POINTERS,
-                                   (*tail, seg_len, 0, 0, 0, 0))
+                                   (*tail, seg_len, 0, 0, 0, 0, 0, 0))
         elif nseg > 1:  # the fused kernel's states-only mode and the scan kernel
-            self.states = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, MODE_STATES, 0, 0, 0))
+            self.states = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, MODE_STATES, 0, 0, 0, 0, 0))
             total = bh * dk * dv
             # head: segment states, entering states, initial state, final state, log-decay pointers
             self.scan = get_function(SEG_SCAN_SOURCE, "rtk_chunk_seg_scan", dev).bind(
@@ -123,11 +130,13 @@ class ChunkLaunch:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None,
-                 decay_ptr: Optional[int] = None, seqs: Optional[tuple[int, int]] = None) -> Optional[torch.Tensor]:
+                 decay_ptr: Optional[int] = None, seqs: Optional[tuple[int, int]] = None,
+                 dlog: Optional[tuple[int, int]] = None) -> Optional[torch.Tensor]:
         """Launch on new tensors; ``decay``: a CUDA decay tensor of the planned dtype and stride in
         place of the planned one (the cached call's), or ``decay_ptr``, the address of one (a
         :meth:`LogDecay.kernel_arg` of the planned mode); neither: the planned decay. ``seqs``: the
-        packed sequences' (offsets, validity flag) addresses, for a launch planned with ``sequences``."""
+        packed sequences' (offsets, validity flag) addresses, for a launch planned with ``sequences``;
+        ``dlog``: the (x, partial sums) addresses, for a launch planned with ``dlog``."""
         s0 = initial_state
         if s0 is not None and (s0.dtype != torch.float32 or not s0.is_contiguous()):
             s0 = s0.to(torch.float32).contiguous()
@@ -141,8 +150,8 @@ class ChunkLaunch:
             qp, kp, vp, op = qp + oq, kp + ok, vp + ov, op + oo
         if self.packed is not None:
             fn, grid, block, smem, dev, tail, rev = self.packed
-            _launch_kernel(fn, grid, block, (qp, kp, vp, op, dp, s0p, fp, *tail, *seqs, rev), dev, smem,
-                           pointers=FWD_POINTERS)
+            _launch_kernel(fn, grid, block, (qp, kp, vp, op, dp, s0p, fp, *tail, *(seqs or (0, 0)), rev,
+                                             *(dlog or (0, 0))), dev, smem, pointers=FWD_POINTERS)
             return final
         if self.nseg == 1:
             self.fused(qp, kp, vp, op, dp, s0p, fp)
@@ -236,7 +245,8 @@ _PLANNED_MAX = 256
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool, fp32_precision: str = "exact", *, reverse: bool = False,
-                   packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+                   packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                   dlog: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
     """One fused pass, or with few (batch, head, value-tile) CTAs the split-sequence strategy:
     a states-only pass (``rtk_chunk_states`` for 16-bit inputs, which skips the last segment; the
     fused kernel's states-only mode plus a scan kernel for fp32), then the fused pass per segment
@@ -254,6 +264,11 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     per (sequence, head), one segment, states ``[S, H, Dk, Dv]``. A reversed pass reads sequence s
     from its last token to its first.
 
+    ``dlog``: ``(x, partial)``, the backward's dq pass of a trainable decay (not reversed, one
+    segment): the DLOG instance (:func:`.plan.dlog_config`, which must exist for these operands),
+    which also writes each CTA's share of dlog(gamma) into ``partial`` (``[rows, Dv / 64, H]``
+    float32; :mod:`.decay_grad` sums it); x has v's shape and strides.
+
     The plan is kept by call signature (shapes, strides, dtypes, device, 16-byte alignment, the
     decay's kernel mode, scale, the flags, the number of packed sequences, the autotune store's
     state and the overrides), so a repeated pass costs its launches."""
@@ -262,13 +277,17 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     sequences = 0 if packed is None else packed[0].shape[0] - 1
     key = (q.shape, q.stride(), k.stride(), v.shape, v.stride(), out.stride(), q.dtype, k.dtype, v.dtype,
            out.dtype, q.get_device(), (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15, mode,
-           scale, need_state, fp32_precision, reverse, sequences, plan_state(), current_overrides())
+           scale, need_state, fp32_precision, reverse, sequences, dlog is None, plan_state(), current_overrides())
     launcher = _planned.get(key)
     if launcher is None:
         if len(_planned) >= _PLANNED_MAX:
             _planned.clear()
-        launcher = _planned[key] = _launcher(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision,
-                                             sequences)
+        launcher = _planned[key] = (
+            ChunkLaunch(q, k, v, log_decay, scale, out, need_state, sequences=sequences, dlog=True) if dlog
+            else _launcher(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision, sequences))
     seqs = None if packed is None else (packed[0].data_ptr(), packed[1].data_ptr())
-    return launcher(q, k, v, out, initial_state, decay_ptr=decay, seqs=seqs)
+    if dlog is None:
+        return launcher(q, k, v, out, initial_state, decay_ptr=decay, seqs=seqs)
+    return launcher(q, k, v, out, initial_state, decay_ptr=decay, seqs=seqs,
+                    dlog=(dlog[0].data_ptr(), dlog[1].data_ptr()))
 

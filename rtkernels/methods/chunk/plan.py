@@ -103,7 +103,19 @@ def all_configs() -> list[tuple]:
              for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True) for ctas in (1, 2)}
     wg = {kernel_config(dt, dk, 128, vec, 1, 1, True, bv) for dt in (torch.float16, torch.bfloat16)
           for dk in (64, 128) for vec in (False, True) for bv in (64, 128)}
-    return sorted(plain | wg | _f32_configs())
+    dlog = {dlog_config(torch.bfloat16, dk, True) for dk in (64, 128)}
+    return sorted(plain | wg | dlog | _f32_configs())
+
+
+def dlog_config(dtype: torch.dtype, dk: int, vec: bool) -> Optional[tuple]:
+    """Template arguments (DT, KMAX, BV, VEC, MINB, WG, DLOG) of the ``rtk_chunk_fwd`` instance that
+    also sums dlog(gamma) (the backward's dq pass of a trainable decay, ``cuda_src/chunk/fwd16.cu``'s
+    header): bf16, 16-byte aligned rows, Dk (the pass's: the forward's Dv) <= 128, on the wgmma
+    kernel with 64-wide value tiles; None where it does not exist. The caller checks that the GPU
+    runs sm_90a code."""
+    if dtype != torch.bfloat16 or not vec or dk > KEY_PIECE:
+        return None
+    return dtype_code(dtype), _kmax(dk), 64, True, 1, True, True
 
 
 def _is_f32(config: tuple) -> bool:
@@ -116,15 +128,16 @@ def name_expression(config: tuple) -> str:
     return "rtk_chunk_fwd<" + ", ".join(str(c).lower() for c in config) + ">"
 
 
-def smem_bytes(kmax: int, bv: int, wg: bool = False) -> int:
+def smem_bytes(kmax: int, bv: int, wg: bool = False, dlog: bool = False) -> int:
     """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in the kernel): two stages
     of q/k/v tiles, two 16-bit state copies (one for KMAX 256), and with ``wg`` two buffers of output
-    rows."""
+    rows; ``dlog`` (wgmma only): an x tile per stage and two copies of W."""
     c = CHUNK_KERNEL
     copies = 1 if kmax == 256 else 2
     if wg:  # 128-byte-swizzled tiles without padding, two output-row buffers (rows padded by 16
         # bytes), + slack to align the base to 1024 bytes
-        return 2 * (2 * (2 * c * kmax + c * bv) + copies * kmax * bv + 2 * c * (bv + 8)) + 32 + 8 + 1024
+        x, w = (c * bv, copies * kmax * bv) if dlog else (0, 0)
+        return 2 * (2 * (2 * c * kmax + c * bv + x) + copies * kmax * bv + w + 2 * c * (bv + 8)) + 32 + 8 + 1024
     return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + copies * kmax * (bv + 8)) + 32 + 8
 
 
@@ -147,7 +160,7 @@ def config_smem(config: tuple) -> int:
     """Dynamic shared memory of a :func:`kernel_config` template, either kernel."""
     if _is_f32(config):
         return f32_smem_bytes(config[1], config[2], config[3])
-    return smem_bytes(config[1], config[2], config[5])
+    return smem_bytes(config[1], config[2], config[5], len(config) > 6 and config[6])
 
 
 # ---- float32: tiles that fit the device's shared memory ------------------------------------------
@@ -332,8 +345,9 @@ def _piece_problem(p: Problem) -> Problem:
 MODE_FUSED, MODE_STATES, MODE_FOLD = 0, 1, 2
 #: The fields of ``rtk_chunk_shape`` after its ``rtk_fwd_shape`` (``cuda_src/chunk/modes.cuh``; a test
 #: holds them against the header): the segment length, the mode, and the packed sequences' offsets
-#: address (0: none), the address of their validity flag, and whether the launch is reversed.
-CHUNK_FIELDS = ("seg_len", "mode", "cu_seqlens", "cu_valid", "cu_reverse")
+#: address (0: none), the address of their validity flag, whether the launch is reversed, and for
+#: the DLOG instances (:func:`dlog_config`) the addresses of x and of the partial sums (0 elsewhere).
+CHUNK_FIELDS = ("seg_len", "mode", "cu_seqlens", "cu_valid", "cu_reverse", "dlog_x", "dlog_out")
 
 
 class Launch(NamedTuple):

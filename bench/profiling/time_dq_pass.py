@@ -1,0 +1,40 @@
+"""Scratch: the backward's dq pass alone (bf16, CUDA events, median of 20): the plain pass as planned,
+the plain pass with 64-wide value tiles, and the pass that also sums dlog(gamma) (DLOG instance).
+
+    python bench/profiling/time_dq_pass.py [small|mid|long]
+"""
+import sys
+
+import torch
+
+from rtkernels.decay import LogDecay
+from rtkernels.methods.chunk import decay_grad, launch, plan
+
+SHAPES = {"small": (2, 32, 1024, 128), "mid": (4, 32, 4096, 128), "long": (1, 32, 16384, 128)}
+
+
+def med(fn, reps=20):
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
+for name in sys.argv[1:] or ["mid"]:
+    b, h, n, d = SHAPES[name]
+    q, k, v, g = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    ld = LogDecay(torch.device("cuda"), raw=1 - torch.exp(torch.linspace(-3.5, -6.2, h, device="cuda")), kind=1)
+    dq = torch.empty_like(q)
+    part = decay_grad.dq_pass_partials(q, v)
+    plain = med(lambda: launch.kernel_forward(g, v, k, ld, 1.0, dq, None, False))
+    with plan.override(bv=64, segments=1):
+        bv64 = med(lambda: launch.kernel_forward(g, v, k, ld, 1.0, dq, None, False))
+    fused = med(lambda: launch.kernel_forward(g, v, k, ld, 1.0, dq, None, False, dlog=(q, part)))
+    print(f"{name} {SHAPES[name]}: plain {plain:.3f} ms, plain BV 64 one segment {bv64:.3f}, with dlog {fused:.3f}")

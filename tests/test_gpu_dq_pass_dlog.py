@@ -1,0 +1,129 @@
+"""dlog(gamma) summed inside the backward's dq pass (marker ``gpu``; the DLOG instance of
+cuda_src/chunk/fwd16.cu, bf16 on a GPU that runs the wgmma kernel): against autograd through the
+fp64 reference on odd shapes, gamma from 1e-6 to 1; dq, dk, dv as the plain passes give them;
+strides, determinism, NaN, and a training step reaching it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rtkernels
+import rtkernels.methods.chunk.backward as kb
+from rtkernels.methods.chunk import decay_grad, plan
+from test_gpu_decay_grad import F64, GAMMAS, SCALE, _inputs, _log_decay, _want
+from tolerances import REL_FRO
+
+pytestmark = pytest.mark.gpu
+
+BF16 = torch.bfloat16
+NS = (1, 63, 64, 65, 1000, 4096)
+#: (Dk, Dv): partial value tiles (16, 40, 200 columns of Dk in tiles of 64), KMAX 64 and 128, Dk != Dv
+SIZES = [(16, 16), (40, 72), (64, 64), (128, 128), (200, 40), (256, 128)]
+
+
+@pytest.fixture(autouse=True)
+def _needs_wgmma():
+    if not plan._wgmma_ok(torch.cuda.current_device(), plan.current_overrides()):
+        pytest.skip("the dq pass sums dlog(gamma) on the wgmma kernel only (compute capability 9.0)")
+
+
+def _grads(q, k, v, grad, s0, monkeypatch=None, fused=True):
+    """kernel_backward's (dq, dk, dv, dlog gamma); ``fused``: the dq pass must sum dlog(gamma) (the
+    separate kernel raises), else the separate kernel must."""
+    if monkeypatch is not None:
+        def refuse(*args, **kwargs):
+            raise AssertionError("the separate dlog(gamma) kernel ran")
+        if fused:
+            monkeypatch.setattr(kb, "kernel_log_decay_grad", refuse)
+        else:
+            monkeypatch.setattr(kb, "dq_pass_sums", lambda *a: False)
+    g = kb.kernel_backward(q, k, v, _log_decay(), SCALE, s0, grad, None, False, True)
+    return g.q, g.k, g.v, g.log_decay
+
+
+def _bound(x, want, positive):
+    q, k, v, grad, s0 = x
+    if positive:
+        return REL_FRO[BF16] * want.abs()
+    lg = torch.log(torch.tensor(GAMMAS, dtype=F64, device="cuda"))
+    mag = decay_grad.torch_w_recurrence(q.abs(), k.abs(), v.abs(), lg, SCALE, None if s0 is None else s0.abs(),
+                                        grad.abs(), None)
+    return REL_FRO[BF16] * want.abs() + 1e-4 * mag
+
+
+@pytest.mark.parametrize("with_s0", [True, False], ids=["s0", "no-s0"])
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("n", NS)
+def test_matches_fp64_autograd(monkeypatch, n, sizes, with_s0):
+    """Non-negative inputs (no term cancels): every head within bf16's relative tolerance, gamma =
+    1e-6 .. 1 (0.9 and 0.99 included); normal inputs: within it plus 1e-4 of the terms' magnitudes
+    (as the separate kernel's test). dq, dk, dv agree with the plain passes' to bf16 rounding."""
+    dk, dv = sizes
+    for positive in (True, False):
+        q, k, v, grad, s0, _ = _inputs(n, dk, dv, BF16, positive, 1000 * n + dk + dv, b=2 if n < 4096 else 1)
+        s0 = s0 if with_s0 else None
+        with monkeypatch.context() as m:
+            dq, dk_, dv_, got = _grads(q, k, v, grad, s0, m, fused=True)
+        want = _want(q, k, v, grad, s0, None)
+        err = (got.double() - want).abs()
+        assert torch.isfinite(got).all() and (err <= _bound((q, k, v, grad, s0), want, positive)).all(), \
+            f"n={n} {sizes} positive={positive}: got {got.tolist()}, want {want.tolist()}"
+        with monkeypatch.context() as m:
+            pq, pk, pv, _ = _grads(q, k, v, grad, s0, m, fused=False)
+        assert torch.equal(dk_, pk) and torch.equal(dv_, pv)  # the same kernels
+        scale = pq.float().abs().max().clamp(min=1e-30)
+        assert ((dq.float() - pq.float()).abs().max() / scale) <= 2 ** -7, "dq differs from the plain pass"
+
+
+def test_bnhd_strides_and_determinism(monkeypatch):
+    """[B, N, H, D] storage gives the bits of contiguous copies; two runs give the same bits."""
+    q, k, v, grad, s0, _ = _inputs(300, 64, 128, BF16, False, 11)
+    base = _grads(q, k, v, grad, s0, monkeypatch)
+    tq, tk, tv, tg = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, grad))
+    again = _grads(tq, tk, tv, tg, s0, monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(base, again))
+    assert torch.equal(_grads(q, k, v, grad, s0, monkeypatch)[3], base[3])
+
+
+def test_falls_back_where_it_cannot():
+    """fp16, unaligned rows, q and k with different strides, Dv > 128 or a gradient of the final
+    state: the separate kernel."""
+    q, k, v, grad, s0, g_state = _inputs(100, 64, 64, BF16, False, 2)
+    assert decay_grad.dq_pass_sums(q, k, v, grad, None)
+    assert not decay_grad.dq_pass_sums(q, k, v, grad, g_state)
+    assert not decay_grad.dq_pass_sums(*(x.half() for x in (q, k, v, grad)), None)
+    assert not decay_grad.dq_pass_sums(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, grad, None)
+    wide = torch.zeros(2, len(GAMMAS), 100, 256, dtype=BF16, device="cuda")
+    assert not decay_grad.dq_pass_sums(q, k, wide, wide, None)
+    buf = torch.empty(q.numel() + 1, dtype=BF16, device="cuda")
+    assert not decay_grad.dq_pass_sums(buf[1:].view(q.shape), k, v, grad, None)
+
+
+@pytest.mark.parametrize("which", ("q", "k", "v", "grad"))
+def test_nan_reaches_its_head_only(monkeypatch, which):
+    """A NaN in q, k, v or dL/do of head 1 makes its dlog(gamma) NaN; the other heads keep their
+    values bit for bit."""
+    x = list(_inputs(150, 32, 64, BF16, False, 3))[:5]
+    clean = _grads(*x, monkeypatch)[3]
+    i = ("q", "k", "v", "grad").index(which)
+    x[i] = x[i].clone()
+    x[i][1, 1, 149 if which in ("k", "v") else 70, 5] = float("nan")
+    got = _grads(*x, monkeypatch)[3]
+    assert torch.isnan(got[1]) and torch.equal(torch.cat([got[:1], got[2:]]), torch.cat([clean[:1], clean[2:]]))
+
+
+def test_training_step(monkeypatch):
+    """loss.backward() with a trainable decay (an nn.Parameter of factors) runs the fused pass and
+    gives the fp64 gradient of the factors, under sync-debug mode "error"."""
+    monkeypatch.setattr(kb, "kernel_log_decay_grad", lambda *a, **k: (_ for _ in ()).throw(AssertionError("separate")))
+    q, k, v, grad, _, _ = _inputs(700, 128, 128, BF16, True, 4)
+    factors = torch.nn.Parameter(torch.tensor(GAMMAS, dtype=torch.float32, device="cuda"))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = rtkernels.causal_linear_attention(q, k, v, factors, scale=SCALE, method="chunk")
+        (out.float() * grad.float()).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = _want(q, k, v, grad, None, None) / factors.detach().double()
+    assert ((factors.grad.double() - want).abs() <= REL_FRO[BF16] * want.abs()).all(), (factors.grad, want)
