@@ -21,7 +21,9 @@ from the end). Differentiating ``L = sum_i g_i . o_i + <G, S_N>``::
 
 The G terms are batched products times the powers gamma^(N-1-j), added in torch operations; no
 term is ever divided by gamma or by scale (gamma may be 1e-6 and scale 0). dlog(gamma), for a
-trainable decay, is one more kernel where the passes run the chunk kernel:
+trainable decay, is summed by the dq pass itself where that pass runs the wgmma kernel in bf16
+(:func:`rtkernels.methods.chunk.decay_grad.dq_pass_sums`; the same sum, no second walk over the
+sequence), else it is one more kernel where the passes run the chunk kernel:
 :func:`rtkernels.methods.chunk.decay_grad.kernel_log_decay_grad` (``cuda_src/chunk/decay_grad.cu``), which carries
 W = dS/dlog(gamma) forward with the state, chunk by chunk, and sums non-negative-weight terms
 only (its module docstring has the math); elsewhere the chunked four-term formula of
@@ -52,7 +54,8 @@ contract over Dv (their "keys" are v and g); the launch runs a contraction wider
 takes as pieces of key columns whose outputs add up (``launch.KeyPiecesLaunch``).
 
 Work: three forward passes, plus O(N Dk Dv) for the G terms, plus for a trainable decay the
-dlog(gamma) kernel, O(N C (Dk + Dv) + N Dk Dv) (about one more forward pass). Memory: the three
+dlog(gamma) kernel, O(N C (Dk + Dv) + N Dk Dv) (about one more forward pass; inside the dq pass,
+about half of one). Memory: the three
 gradients (each written in place by its pass), a ``[B, H, Dk, Dv]`` fp32 final state and
 transposed S_0, the G terms in token blocks (three fp32 ``[B, H, N/8, D]`` temporaries at most),
 and for a trainable decay a ``[B, Dv/BV, H]`` fp32 buffer of partial sums (where the torch formula
