@@ -271,6 +271,24 @@ def _drive_decay_grad() -> Optional[str]:
     return None
 
 
+def _drive_dq_dlog() -> Optional[str]:
+    """dlog(gamma) summed inside the dq pass (the DLOG instance of chunk/fwd16.cu: bf16, aligned
+    rows, Dv <= 128, wgmma; no final state, whose gradient sends it to the separate kernel)."""
+    from rtkernels.methods import chunk
+
+    if not chunk.plan._wgmma_ok(0, chunk.current_overrides()):
+        return "needs the wgmma kernel (compute capability 9.0)"
+    torch = _torch()
+    _train(*_qkv(1, 2, 200, 40, 96, torch.bfloat16), "dlog in dq pass KMAX 128, one value tile", decay_grad=True,
+           state=False)
+    _train(*_qkv(2, 3, 65, 128, 128, torch.bfloat16), "dlog in dq pass, two value tiles", decay_grad=True,
+           state=False)
+    _train(*_qkv(1, 2, 130, 200, 64, torch.bfloat16), "dlog in dq pass KMAX 64, partial value tile",
+           decay_grad=True, state=False)
+    _train(*_qkv(1, 2, 1, 64, 64, torch.bfloat16), "dlog in dq pass, one token", decay_grad=True, state=False)
+    return None
+
+
 def _drive_large_heads() -> Optional[str]:
     """Dk over 128 and Dv up to 512 with the plan's default choices (on Hopper: the wgmma kernel on
     key pieces, forward and the backward's passes, which split their Dv-wide contraction the same
@@ -413,6 +431,8 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
     "f32-tf32": (lambda: _drive_f32("tf32"), "chunk/fwd_f32.cu TF32, one pass and split (+ seg_scan)"),
     "backward": (_drive_backward, "kernel backward: forward and reversed passes, 16-bit and fp32, split"),
     "decay-grad": (_drive_decay_grad, "chunk/decay_grad.cu (BV 32 and 64, KMAX 256) + chunk/decay_grad_sum.cu"),
+    "dq-dlog": (_drive_dq_dlog, "chunk/fwd16.cu DLOG (dlog(gamma) in the backward's dq pass, bf16 wgmma) + "
+                                "chunk/decay_grad_sum.cu"),
     "large-heads": (_drive_large_heads, "chunk kernels at Dk 200-256, Dv 320-512: key pieces and one pass, "
                                         "forward, backward, dlog(gamma)"),
     "scan": (lambda: _drive_method("scan"), "scan.cu, KMAX 32-256, fp32/fp16/bf16"),
