@@ -210,3 +210,23 @@ def test_source_grad_is_autograd_through_the_clamped_log(kind, dtype):
         assert torch.allclose(got.to(F64), x.grad, rtol=1e-6, atol=0), (got, x.grad)
         if kind == "rate":
             assert got[3] == 0
+
+
+def test_dq_pass_instance_exists_only_where_it_fits():
+    """The dq pass that sums dlog(gamma) (plan.dlog_config): bf16 with aligned rows and a pass Dk
+    (the forward's Dv) of at most 128 only, 64-wide value tiles on the wgmma kernel, listed among
+    the instances the CI compiles, and its shared memory (x tiles and W copies added) within an
+    H100's 227 KB; CPU tensors never take it."""
+    from rtkernels.methods.chunk import plan
+
+    for dk in (16, 64, 100, 128):
+        config = plan.dlog_config(torch.bfloat16, dk, True)
+        assert config is not None and config[2] == 64 and config[5] and config[6]
+        assert config in plan.all_configs()
+        smem = plan.config_smem(config)
+        assert plan.smem_bytes(config[1], 64, True) < smem <= plan.SMEM_LIMIT_SM90
+    assert plan.dlog_config(torch.float16, 128, True) is None
+    assert plan.dlog_config(torch.bfloat16, 129, True) is None
+    assert plan.dlog_config(torch.bfloat16, 64, False) is None
+    x = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    assert not decay_grad.dq_pass_sums(x, x, x, x, None)

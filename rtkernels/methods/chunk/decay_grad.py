@@ -164,7 +164,7 @@ def dq_pass_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: to
     aligned, q and k with one set of strides (the pass reads q with the strides of its values, k),
     Dv <= 128, a GPU that runs the wgmma kernel, and no gradient of the final state (its term
     needs W at the end; this kernel adds it)."""
-    return (grad_state is None and q.stride() == k.stride() and q.stride(-1) == 1
+    return (q.is_cuda and grad_state is None and q.stride() == k.stride() and q.stride(-1) == 1
             and all(aligned(x) for x in (q, k, v, grad_out))
             and dlog_config(q.dtype, v.shape[-1], True) is not None
             and _wgmma_ok(q.device.index, current_overrides()))
