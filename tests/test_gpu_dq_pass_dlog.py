@@ -28,14 +28,16 @@ def _needs_wgmma():
         pytest.skip("the dq pass sums dlog(gamma) on the wgmma kernel only (compute capability 9.0)")
 
 
+def _refuse(*args, **kwargs):
+    raise AssertionError("the separate dlog(gamma) kernel ran")
+
+
 def _grads(q, k, v, grad, s0, monkeypatch=None, fused=True):
     """kernel_backward's (dq, dk, dv, dlog gamma); ``fused``: the dq pass must sum dlog(gamma) (the
     separate kernel raises), else the separate kernel must."""
     if monkeypatch is not None:
-        def refuse(*args, **kwargs):
-            raise AssertionError("the separate dlog(gamma) kernel ran")
         if fused:
-            monkeypatch.setattr(kb, "kernel_log_decay_grad", refuse)
+            monkeypatch.setattr(kb, "kernel_log_decay_grad", _refuse)
         else:
             monkeypatch.setattr(kb, "dq_pass_sums", lambda *a: False)
     g = kb.kernel_backward(q, k, v, _log_decay(), SCALE, s0, grad, None, False, True)
@@ -116,7 +118,7 @@ def test_nan_reaches_its_head_only(monkeypatch, which):
 def test_training_step(monkeypatch):
     """loss.backward() with a trainable decay (an nn.Parameter of factors) runs the fused pass and
     gives the fp64 gradient of the factors, under sync-debug mode "error"."""
-    monkeypatch.setattr(kb, "kernel_log_decay_grad", lambda *a, **k: (_ for _ in ()).throw(AssertionError("separate")))
+    monkeypatch.setattr(kb, "kernel_log_decay_grad", _refuse)
     q, k, v, grad, _, _ = _inputs(700, 128, 128, BF16, True, 4)
     factors = torch.nn.Parameter(torch.tensor(GAMMAS, dtype=torch.float32, device="cuda"))
     torch.cuda.set_sync_debug_mode("error")

@@ -1,7 +1,10 @@
-"""Scratch: the GPU time of each kernel in one forward + backward (bf16, decay a CUDA tensor,
-fixed or trainable), by torch.profiler; where the time of a training step goes.
+"""Scratch: where the time of one training step goes (bf16, decay a CUDA tensor, fixed or
+trainable; q, k, v require grad, grads reset each step), by torch.profiler: each kernel's GPU time
+per step, then per step the span from the first kernel to the last, the kernels' busy time, and
+the GPU's idle gaps over 5 us with the kernels around them. ``--flush``: overwrite 256 MB before
+each step (the L2 evicted, as the bench times a call).
 
-    python bench/profiling/bwd_breakdown.py [small|mid|long] [--trainable]
+    python bench/profiling/bwd_breakdown.py [small|mid|long] [--trainable] [--flush]
 """
 import sys
 
@@ -9,38 +12,54 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import rtkernels
+from rtkernels.cli.bench.harness import SHAPES
 
-SHAPES = {"small": (2, 32, 1024, 128), "mid": (4, 32, 4096, 128), "long": (1, 32, 16384, 128)}
-shape = SHAPES[sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in SHAPES else "mid"]
-trainable = "--trainable" in sys.argv
-b, h, n, d = shape
-q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
-gamma = 1 - torch.exp(torch.linspace(-3.5, -6.2, h, device="cuda"))
-decay = torch.nn.Parameter(gamma) if trainable else gamma
+name = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in ("small", "mid", "long") else "mid"
+trainable, flush = "--trainable" in sys.argv, "--flush" in sys.argv
+b, h, n, d = SHAPES[name][0][:4]
+leaves = [torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+decay = (1 - torch.exp(torch.linspace(-3.5, -6.2, h, device="cuda"))).requires_grad_(trainable)
 do = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+# filled before each step: 256 MB (the flush) or one byte, a fill kernel that marks where a step starts
+scratch = torch.empty(256 << 20 if flush else 1, dtype=torch.uint8, device="cuda")
+STEPS = 10
 
 
 def step():
-    o = rtkernels.causal_linear_attention(q, k, v, decay, method="chunk")
-    o.backward(do)
-    for x in (q, k, v):
+    for x in leaves:
         x.grad = None
+    decay.grad = None
+    rtkernels.causal_linear_attention(*leaves, decay, method="chunk").backward(do)
 
 
 for _ in range(5):
     step()
 torch.cuda.synchronize()
 with profile(activities=[ProfilerActivity.CUDA]) as prof:
-    for _ in range(10):
+    for _ in range(STEPS):
+        scratch.zero_()
+        torch.cuda.synchronize()
         step()
-    torch.cuda.synchronize()
-print(f"shape {shape} trainable={trainable}: per step")
-rows = {}
-for e in prof.key_averages():
-    if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0:
-        rows[e.key] = (getattr(e, "self_device_time_total", 0) / 10, e.count // 10)
-total = sum(t for t, _ in rows.values())
-for key, (t, c) in sorted(rows.items(), key=lambda kv: -kv[1][0]):
-    if t > 0:
-        print(f"{t / 1000:8.3f} ms  x{c:<3d} {key[:110]}")
-print(f"{total / 1000:8.3f} ms  total GPU")
+        torch.cuda.synchronize()
+print(f"{name} {(b, h, n, d)} trainable={trainable} flush={flush}: per step")
+kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+steps: list[list] = []
+for e in kernels:
+    if "fill" in e.name.lower():  # the marker: a step starts
+        steps.append([])
+    elif steps:
+        steps[-1].append(e)
+by_name: dict[str, float] = {}
+for e in (e for s in steps for e in s):
+    by_name[e.name] = by_name.get(e.name, 0.0) + (e.time_range.end - e.time_range.start) / STEPS
+for key, t in sorted(by_name.items(), key=lambda kv: -kv[1]):
+    print(f"{t / 1000:8.3f} ms  {key[:110]}")
+print(f"{sum(by_name.values()) / 1000:8.3f} ms  total GPU")
+for s in steps:
+    span = (s[-1].time_range.end - s[0].time_range.start) / 1000
+    busy = sum(e.time_range.end - e.time_range.start for e in s) / 1000
+    print(f"step: span {span:.3f} ms, kernels busy {busy:.3f} ms, {len(s)} kernels")
+    for a, c in zip(s, s[1:]):
+        gap = (c.time_range.start - a.time_range.end) / 1000
+        if gap > 0.005:
+            print(f"   gap {gap * 1000:6.1f} us after {a.name[:50]} before {c.name[:50]}")

@@ -7,34 +7,24 @@ import sys
 
 import torch
 
-from rtkernels.decay import LogDecay
+from rtkernels.cli.bench.harness import SHAPES
+from rtkernels.cli.bench.timing import time_call
+from rtkernels.decay import KIND_FACTOR, LogDecay
 from rtkernels.methods.chunk import decay_grad, launch, plan
 
-SHAPES = {"small": (2, 32, 1024, 128), "mid": (4, 32, 4096, 128), "long": (1, 32, 16384, 128)}
 
-
-def med(fn, reps=20):
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b))
-    return sorted(ts)[len(ts) // 2]
+def med(fn, reps=20):  # the bench's timer, no L2 flush
+    return time_call(fn, torch.device("cuda"), reps)["ms"]
 
 
 for name in sys.argv[1:] or ["mid"]:
-    b, h, n, d = SHAPES[name]
+    b, h, n, d = SHAPES[name][0][:4]
     q, k, v, g = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    ld = LogDecay(torch.device("cuda"), raw=1 - torch.exp(torch.linspace(-3.5, -6.2, h, device="cuda")), kind=1)
+    ld = LogDecay(torch.device("cuda"), raw=1 - torch.exp(torch.linspace(-3.5, -6.2, h, device="cuda")), kind=KIND_FACTOR)
     dq = torch.empty_like(q)
     part = decay_grad.dq_pass_partials(q, v)
     plain = med(lambda: launch.kernel_forward(g, v, k, ld, 1.0, dq, None, False))
     with plan.override(bv=64, segments=1):
         bv64 = med(lambda: launch.kernel_forward(g, v, k, ld, 1.0, dq, None, False))
     fused = med(lambda: launch.kernel_forward(g, v, k, ld, 1.0, dq, None, False, dlog=(q, part)))
-    print(f"{name} {SHAPES[name]}: plain {plain:.3f} ms, plain BV 64 one segment {bv64:.3f}, with dlog {fused:.3f}")
+    print(f"{name} {(b, h, n, d)}: plain {plain:.3f} ms, plain BV 64 one segment {bv64:.3f}, with dlog {fused:.3f}")
