@@ -434,12 +434,17 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     }
   } else {
     // ---- state warps: fp32 state in registers, 16-bit copy in shared memory --------------------
-    const int sr0 = (warp - 4) * MT * 16;  // first state row of a state warp
+    // m-tile mt of a state warp: rows sr0 + MSTEP mt .. + 15. WG: the state warps form the second
+    // warpgroup and update S with wgmma, warp w holding rows 16 (w - 4) of each 64 (the wgmma
+    // accumulator layout); otherwise each warp owns MT * 16 consecutive rows (mma.sync).
+    constexpr int MSTEP = WG ? 64 : 16;
+    const int sr0 = (warp - 4) * (WG ? 16 : MT * 16);
     float s_acc[MT][NT][4];
     float w_acc[DLOG ? MT : 1][NT][4];  // DLOG: W = dS/dlog(gamma), from 0
     #pragma unroll
     for (int mt = 0; mt < (DLOG ? MT : 1); ++mt) rtk_zero(w_acc[mt]);
-    const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here, mode == RTK_MODE_FOLD ? 0 : state_slot};
+    const rtk_chunk_state<MT, NT, MSTEP> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here,
+                                               mode == RTK_MODE_FOLD ? 0 : state_slot};
     if (mode == RTK_MODE_FOLD) sf.fold(s_acc, init_state, rtk_head_log_decay(decay, decay_mode, h), seg_len, gridDim.x);
     else sf.load(s_acc, init_state);
     if (seq_bad) rtk_frag_scale(s_acc, __int_as_float(0x7fc00000));  // invalid packed offsets: NaN states
@@ -502,35 +507,68 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
             for (int e = 0; e < 4; ++e) w_acc[mt][nt][e] = carry * (w_acc[mt][nt][e] + (float)len * s_acc[mt][nt][e]);
       }
       rtk_frag_scale(s_acc, carry);
-      #pragma unroll 1
-      for (int kk = 0; kk * 16 < len; ++kk) {
-        {
-          const int s_a = kk * 16 + 2 * t4, s_b = s_a + 8;
-          // gamma^m, m = len-1-s (0 past the chunk's end), and for W m gamma^m
-          float e4[4];
-          #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int s_i = (i < 2 ? s_a : s_b) + (i & 1);
-            e4[i] = s_i < len ? rtk_exp2(lg2 * (float)(len - 1 - s_i)) : 0.f;
+      // k-step kk (tokens s = 16 kk ..): a[mt] = the A fragment of (k_s gamma^(len-1-s))^T for
+      // m-tile mt, and for W a2[mt] of (k_s (len-1-s) gamma^(len-1-s))^T (weights 0 past len)
+      auto weighted_k = [&](int kk, rtk_u32 (&a)[MT][4], rtk_u32 (&a2)[DLOG ? MT : 1][4]) {
+        const int s_a = kk * 16 + 2 * t4, s_b = s_a + 8;
+        float e4[4];
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int s_i = (i < 2 ? s_a : s_b) + (i & 1);
+          e4[i] = s_i < len ? rtk_exp2(lg2 * (float)(len - 1 - s_i)) : 0.f;
+        }
+        const rtk_u32 wa = rtk_pack2<DT>(e4[0], e4[1]), wb = rtk_pack2<DT>(e4[2], e4[3]);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * L::qk_off(kk * 16 + (lane & 7) + (lane >> 4) * 8,
+                                                           (sr0 + mt * MSTEP) / 8 + ((lane >> 3) & 1)));
+          if constexpr (DLOG) {
+            const rtk_u32 wa2 = rtk_pack2<DT>((float)(len - 1 - s_a) * e4[0], (float)(len - 2 - s_a) * e4[1]);
+            const rtk_u32 wb2 = rtk_pack2<DT>((float)(len - 1 - s_b) * e4[2], (float)(len - 2 - s_b) * e4[3]);
+            a2[mt][0] = rtk_mul2<DT>(a[mt][0], wa2);
+            a2[mt][1] = rtk_mul2<DT>(a[mt][1], wa2);
+            a2[mt][2] = rtk_mul2<DT>(a[mt][2], wb2);
+            a2[mt][3] = rtk_mul2<DT>(a[mt][3], wb2);
           }
-          const rtk_u32 wa = rtk_pack2<DT>(e4[0], e4[1]), wb = rtk_pack2<DT>(e4[2], e4[3]);
+          a[mt][0] = rtk_mul2<DT>(a[mt][0], wa);  // k_s * gamma^(len-1-s), s = kk*16 + 2*t4 + {0, 1}
+          a[mt][1] = rtk_mul2<DT>(a[mt][1], wa);
+          a[mt][2] = rtk_mul2<DT>(a[mt][2], wb);  // s + 8
+          a[mt][3] = rtk_mul2<DT>(a[mt][3], wb);
+        }
+      };
+      if constexpr (WG) {
+        // S (+ W) += A V, one wgmma group per k-step, v from shared memory (as in P v)
+        const unsigned long long dv = rtk_wg_desc(sV_addr, RTK_MN_LBO(C * 128), RTK_MN_SBO(C * 128));
+        #pragma unroll 1
+        for (int kk = 0; kk * 16 < len; ++kk) {
           rtk_u32 a[MT][4], a2[DLOG ? MT : 1][4];
+          weighted_k(kk, a, a2);
+          rtk_wg_fence();
           #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * L::qk_off(kk * 16 + (lane & 7) + (lane >> 4) * 8, (sr0 + mt * 16) / 8 + ((lane >> 3) & 1)));
-            if constexpr (DLOG) {
-              const rtk_u32 wa2 = rtk_pack2<DT>((float)(len - 1 - s_a) * e4[0], (float)(len - 2 - s_a) * e4[1]);
-              const rtk_u32 wb2 = rtk_pack2<DT>((float)(len - 1 - s_b) * e4[2], (float)(len - 2 - s_b) * e4[3]);
-              a2[mt][0] = rtk_mul2<DT>(a[mt][0], wa2);
-              a2[mt][1] = rtk_mul2<DT>(a[mt][1], wa2);
-              a2[mt][2] = rtk_mul2<DT>(a[mt][2], wb2);
-              a2[mt][3] = rtk_mul2<DT>(a[mt][3], wb2);
+          for (int mt = 0; mt < MT; ++mt)
+            #pragma unroll
+            for (int nb = 0; nb < BV / 64; ++nb) {
+              const unsigned long long db = rtk_desc_at(dv, (nb * (C * 128) + kk * 2048) >> 4);
+              rtk_wgmma_rs<DT, 1>(reinterpret_cast<float (&)[32]>(s_acc[mt][8 * nb]), a[mt], db, 1);
+              if constexpr (DLOG)
+                rtk_wgmma_rs<DT, 1>(reinterpret_cast<float (&)[32]>(w_acc[mt][8 * nb]), a2[mt], db, 1);
             }
-            a[mt][0] = rtk_mul2<DT>(a[mt][0], wa);  // k_s * gamma^(len-1-s), s = kk*16 + 2*t4 + {0, 1}
-            a[mt][1] = rtk_mul2<DT>(a[mt][1], wa);
-            a[mt][2] = rtk_mul2<DT>(a[mt][2], wb);  // s + 8
-            a[mt][3] = rtk_mul2<DT>(a[mt][3], wb);
+          rtk_wg_commit();
+          rtk_wg_wait<0>();
+        }
+        rtk_wg_wait<0>();
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          #pragma unroll
+          for (int nb = 0; nb < BV / 64; ++nb) {
+            rtk_wg_pin(reinterpret_cast<float (&)[32]>(s_acc[mt][8 * nb]));
+            if constexpr (DLOG) rtk_wg_pin(reinterpret_cast<float (&)[32]>(w_acc[mt][8 * nb]));
           }
+      } else {
+        #pragma unroll 1
+        for (int kk = 0; kk * 16 < len; ++kk) {
+          rtk_u32 a[MT][4], a2[DLOG ? MT : 1][4];
+          weighted_k(kk, a, a2);
           #pragma unroll
           for (int np = 0; np < NT / 2; ++np) {
             rtk_u32 bb[4];

@@ -12,17 +12,18 @@ template <int MT, int NT> __device__ __forceinline__ void rtk_frag_scale(float (
       for (int e = 0; e < 4; ++e) x[mt][nt][e] *= f;
 }
 
-// A warp's fp32 fragment of a state (rows sr0 .. sr0 + 16 MT - 1, NT n-tiles of value columns
-// from v0; the chunk kernels' state warps, the decay gradient's accumulators): where
+// A warp's fp32 fragment of a state (m-tile mt: rows sr0 + MSTEP mt .. + 15, NT n-tiles of value
+// columns from v0; the chunk kernels' state warps, the decay gradient's accumulators; MSTEP 16:
+// a warp's own rows, 64: a wgmma warpgroup's, whose warp w holds rows 16 w.. of each 64): where
 // element (mt, nt, e) lives in a [slots, B*H, Dk, Dv] buffer, and whether it is a real (row < Dk,
 // column < Dv) element; loading the initial state and storing the final one.
-template <int MT, int NT>
+template <int MT, int NT, int MSTEP = 16>
 struct rtk_chunk_state {
   int sr0, g, t4, bh, Dk, Dv, v0, dv_here;
   rtk_i64 state_slot;
 
   __device__ __forceinline__ bool at(int mt, int nt, int e, rtk_i64& off) const {
-    const int r = sr0 + mt * 16 + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
+    const int r = sr0 + mt * MSTEP + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
     off = state_slot + ((rtk_i64)bh * Dk + r) * Dv + v0 + c;
     return r < Dk && c < dv_here;
   }
@@ -76,6 +77,6 @@ struct rtk_chunk_state {
       for (int nt = 0; nt < NT; ++nt)
         #pragma unroll
         for (int hh = 0; hh < 2; ++hh)
-          f(sr0 + mt * 16 + g + hh * 8, nt * 8 + 2 * t4, s_acc[mt][nt][2 * hh], s_acc[mt][nt][2 * hh + 1]);
+          f(sr0 + mt * MSTEP + g + hh * 8, nt * 8 + 2 * t4, s_acc[mt][nt][2 * hh], s_acc[mt][nt][2 * hh + 1]);
   }
 };
