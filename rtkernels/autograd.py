@@ -290,7 +290,9 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
     q, k, v and ``out`` (the empty output, filled in place and returned, marked dirty) are in the
     caller's layout (``call.bnhd``): the ``[B, H, N, D]`` views are taken inside, where autograd
     does not record them (a recorded view of a tensor that requires grad costs microseconds of
-    host time per call). ``log_decay_source`` is :attr:`LogDecay.source` or None. Not twice
+    host time per call). ``log_decay_source`` is :attr:`LogDecay.source` or None. Gradients are not
+    materialised: a returned state the loss does not use reaches the backward as None (no G terms),
+    an unused output as zeros. Not twice
     differentiable.
     """
 
@@ -300,6 +302,7 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
                 out: torch.Tensor):
         ctx.save_for_backward(q, k, v, initial_state)
         ctx.call = call
+        ctx.set_materialize_grads(False)  # a returned state the loss does not use adds no G terms
         ctx.source_meta = None if log_decay_source is None else (log_decay_source.device, log_decay_source.dtype)
         if call.launcher is not None:  # planned on these strides, any layout (it reads the pointers); a CUDA
             state = call.launcher(q, k, v, out, initial_state, call.log_decay.raw)  # decay tensor as it is
@@ -317,6 +320,8 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor, grad_state: Optional[torch.Tensor] = None):
         q, k, v, s0 = ctx.saved_tensors
         call = ctx.call
+        if grad_out is None:  # only the returned state is used
+            grad_out = torch.zeros_like(v)
         if call.bnhd:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         _, *needs, _ = ctx.needs_input_grad

@@ -34,7 +34,9 @@ def _refuse(*args, **kwargs):
 
 def _grads(q, k, v, grad, s0, monkeypatch=None, fused=True):
     """kernel_backward's (dq, dk, dv, dlog gamma); ``fused``: the dq pass must sum dlog(gamma) (the
-    separate kernel raises), else the separate kernel must."""
+    separate kernel raises), else the separate kernel must. Plans are cleared first: a planned
+    backward would repeat the passes of an earlier call of the same shapes whatever is patched."""
+    kb.clear_plans()
     if monkeypatch is not None:
         if fused:
             monkeypatch.setattr(kb, "kernel_log_decay_grad", _refuse)

@@ -121,6 +121,35 @@ def test_gradcheck_output_only(method):
                                     fast_mode=True)
 
 
+@pytest.mark.parametrize("used", ("output", "state"))
+def test_unused_result_gets_no_gradient_work(monkeypatch, used):
+    """return_state=True with only one of (output, state) in the loss: the backward sees None for the
+    other's incoming gradient where it is the state (no final-state terms), zeros where it is the
+    output; the gradients match autograd through the fp64 reference."""
+    seen = []
+    real = rk_autograd.call_gradients
+
+    def spy(call, q, k, v, s0, grad_out, grad_state, *rest):
+        seen.append((grad_out is None, grad_state is None))
+        return real(call, q, k, v, s0, grad_out, grad_state, *rest)
+
+    monkeypatch.setattr(rk_autograd, "call_gradients", spy)
+    q, k, v = leaves(*make_qkv(5, 2, 2, 70, 3, 4, F64))
+    decay = decay_tensor("decay", (0.5, 0.9))
+    out, state = attention(q, k, v, decay, method="chunk", return_state=True)
+    w = randn(torch.Generator().manual_seed(6), tuple(out.shape), F64)
+    ((out * w).sum() if used == "output" else (state * 1.5).sum()).backward()
+    assert seen == [(False, used == "output")]
+    ref = [x.detach().requires_grad_() for x in (q, k, v, decay)]
+    r_out, r_state = reference(*ref[:3], ref[3], 1.0)
+    ((r_out * w).sum() if used == "output" else (r_state * 1.5).sum()).backward()
+    for name, got, want in zip(("dq", "dk", "dv", "ddecay"), (q, k, v, decay), ref):
+        if want.grad is None:  # the state does not depend on q
+            assert got.grad is None or not got.grad.any(), name
+        else:
+            assert_close(got.grad, want.grad, F64, name)
+
+
 # --------------------------------------------------------------------- against the fp64 reference
 
 @pytest.mark.parametrize("form", FORMS)

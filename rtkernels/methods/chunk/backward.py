@@ -65,20 +65,23 @@ per-token state is ever formed.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
 from ...autograd import BACKWARD_IMPLS, Grads, log_decay_grad
+from ...autotune.answers import plan_state
 from ...decay import LogDecay
 from ...jit import kernels_available
 from ...jit.dtypes import compute_dtype
 from .._torch_common import decay_powers, run_torch_path
 from . import launch, plan
+from .plan import current_overrides
 from .decay_grad import dq_pass_partials, dq_pass_sums, kernel_log_decay_grad, sum_partials
 from .torch_path import torch_forward
 
-__all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "gradient_passes", "kernel_backward", "supports", "register"]
+__all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "gradient_passes", "kernel_backward", "clear_plans", "supports",
+           "register"]
 
 #: The G terms are added over this many token blocks (bounding their fp32 temporaries).
 STATE_TERM_BLOCKS = 8
@@ -169,6 +172,53 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
     return dq, dk, dv, d_s0, lg
 
 
+class _PlannedBackward(NamedTuple):
+    """The launches of a backward repeated with new tensors (:func:`kernel_backward`'s plan): the
+    three passes' :func:`.launch.pass_launcher` launches, and whether the dq pass sums dlog(gamma)."""
+
+    dq: Callable[..., Optional[torch.Tensor]]
+    dk: Callable[..., Optional[torch.Tensor]]
+    dv: Callable[..., Optional[torch.Tensor]]
+    fused: bool
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay,
+            grad_out: torch.Tensor) -> Optional[Grads]:
+        """The passes on new tensors; None when a fresh gradient buffer lacks the 16-byte alignment
+        the launches were planned for (the caller takes the general path)."""
+        dq, dk, dv = (_gradient_buffer(x, q.dtype) for x in (q, k, v))
+        if (dq.data_ptr() | dk.data_ptr() | dv.data_ptr()) & 15:
+            return None
+        decay = log_decay.kernel_arg()[0]
+        partials = dq_pass_partials(q, v) if self.fused else None
+        if partials is None:
+            self.dq(grad_out, v, k, dq, None, decay_ptr=decay)
+        else:
+            self.dq(grad_out, v, k, dq, None, decay_ptr=decay, dlog=(q.data_ptr(), partials.data_ptr()))
+        self.dk(v, grad_out, q, dk, None, decay_ptr=decay)
+        self.dv(k, q, grad_out, dv, None, decay_ptr=decay)
+        d_log = None if partials is None else sum_partials(partials, log_decay, True)
+        return Grads(dq, dk, dv, None, d_log, self.fused)
+
+
+#: Planned backwards by call signature (:func:`_plan_key`), for calls without an initial state or a
+#: final-state gradient, whose passes all run the chunk kernel (dlog(gamma), if asked, in the dq pass).
+_plans: dict[tuple, _PlannedBackward] = {}
+_PLANS_MAX = 64
+
+
+def clear_plans() -> None:
+    """Forget the planned backwards (the next backward of each signature plans again)."""
+    _plans.clear()
+
+
+def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, log_decay: LogDecay,
+              scale: float, need_decay_grad: bool, fp32_precision: str) -> tuple:
+    """What the passes' plans depend on (as :func:`.launch.pass_launcher`'s key, for all four operands)."""
+    return (q.shape, v.shape, q.stride(), k.stride(), v.stride(), grad_out.stride(), q.dtype, k.dtype, v.dtype,
+            grad_out.dtype, q.get_device(), (q.data_ptr() | k.data_ptr() | v.data_ptr() | grad_out.data_ptr()) & 15,
+            log_decay.kernel_arg()[1], scale, need_decay_grad, fp32_precision, plan_state(), current_overrides())
+
+
 def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                     initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
                     grad_state: Optional[torch.Tensor], need_state_grad: bool, need_decay_grad: bool,
@@ -177,7 +227,19 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     docstring (float32: the kernel in ``fp32_precision``'s mode), the G terms and dlog(gamma) (its
     kernel where the passes run the 16-bit chunk kernel, else
     :func:`~rtkernels.autograd.log_decay_grad`). dq, dk, dv in the input dtype where the kernel
-    runs, else in the compute dtype; dS_0 and dlog(gamma) in the compute dtype."""
+    runs, else in the compute dtype; dS_0 and dlog(gamma) in the compute dtype.
+
+    A call without an initial state or a final-state gradient whose passes all run the kernel is
+    planned once per signature (:func:`_plan_key`): repeating it costs the gradient buffers and the
+    launches, about a third of the host time of planning each pass again."""
+    key = None
+    if initial_state is None and grad_state is None and not need_state_grad:
+        key = _plan_key(q, k, v, grad_out, log_decay, scale, need_decay_grad, fp32_precision)
+        planned = _plans.get(key)
+        if planned is not None:
+            grads = planned.run(q, k, v, log_decay, grad_out)
+            if grads is not None:
+                return grads
     cdt = compute_dtype(q.dtype)
     n = q.shape[2]
     on_kernel = kernel_runs(q, k, v, grad_out)
@@ -205,6 +267,14 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
                                                      for_source=True), True
         else:
             d_log = log_decay_grad(q, k, v, log_decay, scale, initial_state, grad_out, grad_state)
+    if key is not None and on_kernel and (fused or not need_decay_grad) and all(
+            x.stride(-1) == 1 for x in (q, k, v, grad_out)):  # plan it: the same launches as above
+        if len(_plans) >= _PLANS_MAX:
+            _plans.clear()
+        _plans[key] = _PlannedBackward(
+            launch.pass_launcher(grad_out, v, k, log_decay, scale, dq, False, fp32_precision, dlog=fused),
+            launch.pass_launcher(v, grad_out, q, log_decay, scale, dk, False, fp32_precision, reverse=True),
+            launch.pass_launcher(k, q, grad_out, log_decay, scale, dv, False, fp32_precision, reverse=True), fused)
     return Grads(dq, dk, dv, d_s0, d_log, of_source)
 
 

@@ -17,7 +17,8 @@ from .plan import (CHUNK_KERNEL, MODE_FOLD, MODE_FUSED, MODE_STATES, SEG_SCAN_SO
                    _launch_of, _sm_count, _smem_limit, aligned, current_overrides, dlog_config, key_pieces,
                    packed_launch, plan_launch, states_config, states_name, states_smem_bytes, tuned_launch)
 
-__all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "call_pieces"]
+__all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "pass_launcher",
+           "call_pieces"]
 
 
 def pass_launch(dtype: torch.dtype, b: int, h: int, n: int, dk: int, dv: int, dev: int, vec: bool, exact: bool,
@@ -242,6 +243,28 @@ _planned: dict[tuple, ChunkLaunch] = {}
 _PLANNED_MAX = 256
 
 
+def pass_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
+                  out: torch.Tensor, need_state: bool, fp32_precision: str = "exact", *, reverse: bool = False,
+                  sequences: int = 0, dlog: bool = False):
+    """The planned launch (:class:`ChunkLaunch` or :class:`KeyPiecesLaunch`) of one
+    :func:`kernel_forward` pass over these ``[B, H, N, D]`` views (unit last stride), kept by call
+    signature: shapes, strides, dtypes, device, 16-byte alignment, the decay's kernel mode, scale,
+    the flags, the number of packed sequences, the autotune store's state and the overrides. A
+    repeated pass costs the key and its launches; the backward's plan holds three of them."""
+    mode = log_decay.kernel_arg()[1]
+    key = (q.shape, q.stride(), k.stride(), v.shape, v.stride(), out.stride(), q.dtype, k.dtype, v.dtype,
+           out.dtype, q.get_device(), (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15, mode,
+           scale, need_state, fp32_precision, reverse, sequences, dlog, plan_state(), current_overrides())
+    launcher = _planned.get(key)
+    if launcher is None:
+        if len(_planned) >= _PLANNED_MAX:
+            _planned.clear()
+        launcher = _planned[key] = (
+            ChunkLaunch(q, k, v, log_decay, scale, out, need_state, sequences=sequences, dlog=True) if dlog
+            else _launcher(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision, sequences))
+    return launcher
+
+
 def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool, fp32_precision: str = "exact", *, reverse: bool = False,
@@ -269,25 +292,14 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     which also writes each CTA's share of dlog(gamma) into ``partial`` (``[rows, Dv / 64, H]``
     float32; :mod:`.decay_grad` sums it); x has v's shape and strides.
 
-    The plan is kept by call signature (shapes, strides, dtypes, device, 16-byte alignment, the
-    decay's kernel mode, scale, the flags, the number of packed sequences, the autotune store's
-    state and the overrides), so a repeated pass costs its launches."""
+    The plan is kept by call signature (:func:`pass_launcher`), so a repeated pass costs its launches."""
     q, k, v = unit_stride(q, k, v)
-    decay, mode = log_decay.kernel_arg()
     sequences = 0 if packed is None else packed[0].shape[0] - 1
-    key = (q.shape, q.stride(), k.stride(), v.shape, v.stride(), out.stride(), q.dtype, k.dtype, v.dtype,
-           out.dtype, q.get_device(), (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15, mode,
-           scale, need_state, fp32_precision, reverse, sequences, dlog is None, plan_state(), current_overrides())
-    launcher = _planned.get(key)
-    if launcher is None:
-        if len(_planned) >= _PLANNED_MAX:
-            _planned.clear()
-        launcher = _planned[key] = (
-            ChunkLaunch(q, k, v, log_decay, scale, out, need_state, sequences=sequences, dlog=True) if dlog
-            else _launcher(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision, sequences))
+    launcher = pass_launcher(q, k, v, log_decay, scale, out, need_state, fp32_precision, reverse=reverse,
+                             sequences=sequences, dlog=dlog is not None)
+    decay = log_decay.kernel_arg()[0]
     seqs = None if packed is None else (packed[0].data_ptr(), packed[1].data_ptr())
     if dlog is None:
         return launcher(q, k, v, out, initial_state, decay_ptr=decay, seqs=seqs)
     return launcher(q, k, v, out, initial_state, decay_ptr=decay, seqs=seqs,
                     dlog=(dlog[0].data_ptr(), dlog[1].data_ptr()))
-
