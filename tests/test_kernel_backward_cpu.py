@@ -239,3 +239,45 @@ def test_key_pieces_plan():
         assert plan.key_pieces(torch.float16, 256, 0, plan.current_overrides()) is None
         assert [(p.start, p.stop) for p in plan.key_pieces(torch.float16, 320, 0, plan.current_overrides())] \
             == [(0, 160), (160, 320)]
+
+
+def test_repeated_backward_repeats_its_planned_launches(monkeypatch):
+    """With the kernel standing in (every pass a recording launch): the first backward of a
+    signature plans its three passes through kernel_forward, a repeat calls the same three launches
+    on the new tensors (never kernel_forward), and calls with an initial state are never planned."""
+    import rtkernels.methods.chunk.backward as kb
+    from rtkernels.methods.chunk import launch
+
+    made, ran, forwards = [], [], []
+
+    def fake_launcher(q, k, v, log_decay, scale, out, need_state, reverse, *rest):
+        def run(q_, k_, v_, out_, s0=None, decay=None, decay_ptr=None, seqs=None, dlog=None):
+            ran.append((reverse, q_.data_ptr(), out_.data_ptr()))
+        made.append(reverse)
+        return run
+
+    real_forward = launch.kernel_forward
+
+    def counted_forward(*args, **kwargs):
+        forwards.append(1)
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(kb, "kernel_runs", lambda *a: True)
+    monkeypatch.setattr(launch, "_launcher", fake_launcher)
+    monkeypatch.setattr(launch, "kernel_forward", counted_forward)
+    monkeypatch.setattr(launch, "_planned", {})
+    kb.clear_plans()
+    ld = LogDecay(torch.device("cpu"), host=(math.log(0.9),) * 2)
+    q, k, v, g = (torch.randn(1, 2, 70, d, dtype=torch.bfloat16) for d in (16, 16, 24, 24))  # Dk != Dv
+    kb.kernel_backward(q, k, v, ld, 0.5, None, g, None, False, False)
+    assert made == [False, True, True] and len(forwards) == 3 and len(kb._plans) == 1
+    ran.clear()
+    q2, k2, v2, g2 = (x.clone() for x in (q, k, v, g))
+    grads = kb.kernel_backward(q2, k2, v2, ld, 0.5, None, g2, None, False, False)
+    assert len(forwards) == 3 and made == [False, True, True]  # no new plan, no kernel_forward
+    assert [(r, p) for r, p, _ in ran] == [(False, g2.data_ptr()), (True, v2.data_ptr()), (True, k2.data_ptr())]
+    assert [o for _, _, o in ran] == [grads.q.data_ptr(), grads.k.data_ptr(), grads.v.data_ptr()]
+    kb.clear_plans()
+    kb.kernel_backward(q, k, v, ld, 0.5, torch.zeros(1, 2, 16, 16), g, None, False, False)
+    assert not kb._plans
+    kb.clear_plans()
