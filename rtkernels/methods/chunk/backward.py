@@ -173,31 +173,22 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
 
 
 class _PlannedBackward(NamedTuple):
-    """The launches of a backward repeated with new tensors (:func:`kernel_backward`'s plan): the
-    three passes' :func:`.launch.pass_launcher` launches, and whether the dq pass sums dlog(gamma)."""
+    """A backward repeated with new tensors (:func:`kernel_backward`'s plan): the launches of
+    :func:`gradient_passes`' three passes, in its order, and whether the dq pass sums dlog(gamma)."""
 
-    dq: Callable[..., Optional[torch.Tensor]]
-    dk: Callable[..., Optional[torch.Tensor]]
-    dv: Callable[..., Optional[torch.Tensor]]
+    passes: tuple[Callable[..., Optional[torch.Tensor]], ...]
     fused: bool
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay,
-            grad_out: torch.Tensor) -> Optional[Grads]:
-        """The passes on new tensors; None when a fresh gradient buffer lacks the 16-byte alignment
-        the launches were planned for (the caller takes the general path)."""
-        dq, dk, dv = (_gradient_buffer(x, q.dtype) for x in (q, k, v))
-        if (dq.data_ptr() | dk.data_ptr() | dv.data_ptr()) & 15:
-            return None
-        decay = log_decay.kernel_arg()[0]
-        partials = dq_pass_partials(q, v) if self.fused else None
-        if partials is None:
-            self.dq(grad_out, v, k, dq, None, decay_ptr=decay)
-        else:
-            self.dq(grad_out, v, k, dq, None, decay_ptr=decay, dlog=(q.data_ptr(), partials.data_ptr()))
-        self.dk(v, grad_out, q, dk, None, decay_ptr=decay)
-        self.dv(k, q, grad_out, dv, None, decay_ptr=decay)
-        d_log = None if partials is None else sum_partials(partials, log_decay, True)
-        return Grads(dq, dk, dv, None, d_log, self.fused)
+    def replay(self, log_decay: LogDecay) -> Callable[..., Optional[torch.Tensor]]:
+        """A ``run`` for :func:`gradient_passes` that calls the planned launches in turn with the
+        new tensors' pointers (the launches read only ``data_ptr()``; ``out``'s alignment never
+        shaped them)."""
+        passes, decay = iter(self.passes), log_decay.kernel_arg()[0]
+
+        def run(q, k, v, log_decay_, scale, out, initial_state, need_state, reverse, dlog=None):
+            extra = {} if dlog is None else {"dlog": (dlog[0].data_ptr(), dlog[1].data_ptr())}
+            return next(passes)(q, k, v, out, initial_state, decay_ptr=decay, **extra)
+        return run
 
 
 #: Planned backwards by call signature (:func:`_plan_key`), for calls without an initial state or a
@@ -232,23 +223,30 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     A call without an initial state or a final-state gradient whose passes all run the kernel is
     planned once per signature (:func:`_plan_key`): repeating it costs the gradient buffers and the
     launches, about a third of the host time of planning each pass again."""
-    key = None
+    key = planned = None
     if initial_state is None and grad_state is None and not need_state_grad:
         key = _plan_key(q, k, v, grad_out, log_decay, scale, need_decay_grad, fp32_precision)
         planned = _plans.get(key)
-        if planned is not None:
-            grads = planned.run(q, k, v, log_decay, grad_out)
-            if grads is not None:
-                return grads
     cdt = compute_dtype(q.dtype)
     n = q.shape[2]
-    on_kernel = kernel_runs(q, k, v, grad_out)
+    planning = None  # the launches of a call that is being planned
+    if planned is not None:
+        on_kernel, fused, run = True, planned.fused, planned.replay(log_decay)
+    else:
+        on_kernel = kernel_runs(q, k, v, grad_out)
+        # dlog(gamma) inside the dq pass where it can (decay_grad's docstring), else its own kernel below
+        fused = need_decay_grad and on_kernel and dq_pass_sums(q, k, v, grad_out, grad_state)
+        if key is not None and on_kernel and (fused or not need_decay_grad) and all(
+                x.stride(-1) == 1 for x in (q, k, v, grad_out)):  # every pass a kernel_forward launch
+            planning = []
 
-    def run(*args, dlog=None):  # one pass: the kernel where it takes the operands, else the torch path
-        return forward_pass(*args, fp32_precision, on_kernel, dlog)
+        def run(q_, k_, v_, log_decay_, scale_, out, initial_state_, need_state, reverse, dlog=None):
+            if planning is not None:  # the launch kernel_forward takes (unit strides: no copies)
+                planning.append(launch.pass_launcher(q_, k_, v_, log_decay_, scale_, out, need_state, fp32_precision,
+                                                     reverse=reverse, dlog=dlog is not None))
+            return forward_pass(q_, k_, v_, log_decay_, scale_, out, initial_state_, need_state, reverse,
+                                fp32_precision, on_kernel, dlog)
 
-    # dlog(gamma) inside the dq pass where it can (decay_grad's docstring), else its own kernel below
-    fused = need_decay_grad and on_kernel and dq_pass_sums(q, k, v, grad_out, grad_state)
     partials = dq_pass_partials(q, v) if fused else None
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
                                            need_state_grad, q.dtype if on_kernel else cdt, partials)
@@ -267,14 +265,10 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
                                                      for_source=True), True
         else:
             d_log = log_decay_grad(q, k, v, log_decay, scale, initial_state, grad_out, grad_state)
-    if key is not None and on_kernel and (fused or not need_decay_grad) and all(
-            x.stride(-1) == 1 for x in (q, k, v, grad_out)):  # plan it: the same launches as above
+    if planning is not None:
         if len(_plans) >= _PLANS_MAX:
             _plans.clear()
-        _plans[key] = _PlannedBackward(
-            launch.pass_launcher(grad_out, v, k, log_decay, scale, dq, False, fp32_precision, dlog=fused),
-            launch.pass_launcher(v, grad_out, q, log_decay, scale, dk, False, fp32_precision, reverse=True),
-            launch.pass_launcher(k, q, grad_out, log_decay, scale, dv, False, fp32_precision, reverse=True), fused)
+        _plans[key] = _PlannedBackward(tuple(planning), fused)
     return Grads(dq, dk, dv, d_s0, d_log, of_source)
 
 
