@@ -78,3 +78,36 @@ def test_a_binding_that_raises_is_read_as_its_status(monkeypatch):
         k.launch((1, 1, 1), (32, 1, 1), (0, 1, 2.0), 0, 0, 2)
     statuses[:] = [None, 700]
     assert driver.launch_status(fake_launch) == 0 and driver.launch_status(fake_launch) == 700
+
+
+def test_a_thread_without_a_context_gets_torchs_and_the_load_is_retried(monkeypatch):
+    """cuModuleLoadData answers CUDA_ERROR_INVALID_CONTEXT on a thread with no current context (an
+    autograd worker loading a kernel the forward never used): Kernel.load makes the primary context
+    current and loads again, once; any other failure still raises, and the status is on the error."""
+    import contextlib
+
+    import torch
+
+    from rtkernels.jit import jit, kernel_cache
+
+    made, answers = [], []
+
+    def fake_load(image):
+        status = answers.pop(0)
+        driver.check(status, "cuModuleLoadData")
+        return 5
+
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: None)
+    monkeypatch.setattr(driver, "module_load_data", fake_load)
+    monkeypatch.setattr(driver, "module_get_function", lambda module, name: 7)
+    monkeypatch.setattr(driver, "make_primary_current", lambda dev: made.append(dev))
+    monkeypatch.setattr(driver, "launch_kernel", lambda: None)
+    cached = kernel_cache.CachedKernel(b"", "k", "cubin")
+    answers[:] = [driver.INVALID_CONTEXT, 0]
+    k = jit.Kernel.load(cached, 3)
+    assert (k.module, k._ptr, made, answers) == (5, 7, [3], [])
+    answers[:] = [700]
+    with pytest.raises(driver.CudaDriverError, match=r"\(700\)") as err:
+        jit.Kernel.load(cached, 3)
+    assert err.value.status == 700 and made == [3]

@@ -24,7 +24,10 @@ MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
 class CudaDriverError(RuntimeError):
-    """A CUDA driver call failed; the message names the call and the driver's error."""
+    """A CUDA driver call failed; the message names the call and the driver's error, ``status``
+    is the driver's status (as on CuPy's error)."""
+
+    status: int = 0
 
 
 @functools.lru_cache(maxsize=1)
@@ -56,7 +59,9 @@ def check(status: int, call: str) -> None:
     if status:
         lib, name = _lib(), ctypes.c_char_p()
         known = lib is not None and lib.cuGetErrorName(status, ctypes.byref(name)) == 0 and name.value
-        raise CudaDriverError(f"{call} failed: {name.value.decode() if known else '?'} ({status})")
+        err = CudaDriverError(f"{call} failed: {name.value.decode() if known else '?'} ({status})")
+        err.status = int(status)
+        raise err
 
 
 def _cupy() -> Any:
@@ -137,7 +142,7 @@ def launch_status(launch: Callable[..., Any], *args: Any) -> int:
         return int(exc.status)
 
 
-#: cuLaunchKernel's status when the calling thread has no current context.
+#: The driver status of a launch or module load on a thread with no current context.
 INVALID_CONTEXT = 201
 
 

@@ -215,8 +215,16 @@ class Kernel:
     def load(cls, cached: kernel_cache.CachedKernel, device_index: int, dynamic_smem: int = 0) -> "Kernel":
         """Load a compiled image on ``device_index`` (in torch's primary context of that device)."""
         with torch.cuda.device(device_index):
-            torch.cuda.current_stream(device_index)  # the primary context is current from here on
-            module = driver.module_load_data(cached.image)
+            torch.cuda.current_stream(device_index)  # torch's context exists from here on
+            try:
+                module = driver.module_load_data(cached.image)
+            except (driver.CudaDriverError, driver.LaunchError) as exc:  # ctypes' or CuPy's binding
+                # a thread with no current context (an autograd worker loading a kernel the forward
+                # never used), as _launch handles for launches: make torch's current, load again
+                if getattr(exc, "status", None) != driver.INVALID_CONTEXT:
+                    raise
+                driver.make_primary_current(device_index)
+                module = driver.module_load_data(cached.image)
             function = driver.module_get_function(module, cached.lowered)
             if dynamic_smem > 48 * 1024:
                 driver.func_set_attribute(function, driver.MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic_smem)
