@@ -286,6 +286,9 @@ def _drive_dq_dlog() -> Optional[str]:
     _train(*_qkv(1, 2, 130, 200, 64, torch.bfloat16), "dlog in dq pass KMAX 64, partial value tile",
            decay_grad=True, state=False)
     _train(*_qkv(1, 2, 1, 64, 64, torch.bfloat16), "dlog in dq pass, one token", decay_grad=True, state=False)
+    with chunk.override(segments=3):  # the states pass carrying W, the DLOG pass folding S and W
+        _train(*_qkv(1, 2, 1000, 72, 128, torch.bfloat16), "dlog in dq pass, 3 segments", decay_grad=True,
+               state=False)
     return None
 
 
@@ -431,8 +434,8 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
     "f32-tf32": (lambda: _drive_f32("tf32"), "chunk/fwd_f32.cu TF32, one pass and split (+ seg_scan)"),
     "backward": (_drive_backward, "kernel backward: forward and reversed passes, 16-bit and fp32, split"),
     "decay-grad": (_drive_decay_grad, "chunk/decay_grad.cu (BV 32 and 64, KMAX 256) + chunk/decay_grad_sum.cu"),
-    "dq-dlog": (_drive_dq_dlog, "chunk/fwd16.cu DLOG (dlog(gamma) in the backward's dq pass, bf16 wgmma) + "
-                                "chunk/decay_grad_sum.cu"),
+    "dq-dlog": (_drive_dq_dlog, "chunk/fwd16.cu DLOG (dlog(gamma) in the backward's dq pass, bf16 wgmma; one "
+                                "segment and three, with chunk/states.cu DLOG) + chunk/decay_grad_sum.cu"),
     "large-heads": (_drive_large_heads, "chunk kernels at Dk 200-256, Dv 320-512: key pieces and one pass, "
                                         "forward, backward, dlog(gamma)"),
     "scan": (lambda: _drive_method("scan"), "scan.cu, KMAX 32-256, fp32/fp16/bf16"),

@@ -80,6 +80,43 @@ def test_matches_fp64_autograd(monkeypatch, n, sizes, with_s0):
         assert ((dq.float() - pq.float()).abs().max() / scale) <= 2 ** -7, "dq differs from the plain pass"
 
 
+@pytest.mark.parametrize("with_s0", [True, False], ids=["s0", "no-s0"])
+@pytest.mark.parametrize("n, sizes, segments", [(65, (40, 72), 2), (1000, (128, 128), 3), (1000, (200, 40), 7),
+                                                (4096, (256, 128), 5), (777, (64, 64), 4)], ids=str)
+def test_split_sequence(monkeypatch, n, sizes, segments, with_s0):
+    """The dq pass split into segments (the states pass carrying W beside S, each segment's CTAs
+    folding both): dlog(gamma) within bf16's tolerance of fp64 autograd on every head, dq as the
+    plain pass split the same way gives it to bf16 rounding, and the partial sums one row of CTAs
+    per segment."""
+    dk, dv = sizes
+    want_segments = plan.split(n, segments)[1]
+    for positive in (True, False):
+        q, k, v, grad, s0, _ = _inputs(n, dk, dv, BF16, positive, 7 * n + dk + segments, b=2)
+        s0 = s0 if with_s0 else None
+        with plan.override(segments=segments):
+            assert decay_grad.dq_pass_partials(q, v).shape[0] == want_segments * 2
+            with monkeypatch.context() as m:
+                dq, dk_, dv_, got = _grads(q, k, v, grad, s0, m, fused=True)
+            with monkeypatch.context() as m:
+                pq, pk, pv, _ = _grads(q, k, v, grad, s0, m, fused=False)
+        want = _want(q, k, v, grad, s0, None)
+        err = (got.double() - want).abs()
+        assert torch.isfinite(got).all() and (err <= _bound((q, k, v, grad, s0), want, positive)).all(), \
+            f"n={n} {sizes} segments={segments} positive={positive}: got {got.tolist()}, want {want.tolist()}"
+        assert torch.equal(dk_, pk) and torch.equal(dv_, pv)
+        scale = pq.float().abs().max().clamp(min=1e-30)
+        assert ((dq.float() - pq.float()).abs().max() / scale) <= 2 ** -7, "dq differs from the plain pass"
+
+
+def test_long_sequence_splits_by_default():
+    """Few (batch, head, tile) CTAs over a long sequence: the heuristic splits the pass (one CTA per
+    SM), as it does the forward."""
+    dev = torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    launch = plan.dlog_launch(BF16, 128, 128, 2, 16384, dev)
+    assert launch.segments == plan.split(16384, plan.segments_for(4, 16384, sms, 1))[1] > 1
+
+
 def test_bnhd_strides_and_determinism(monkeypatch):
     """[B, N, H, D] storage gives the bits of contiguous copies; two runs give the same bits."""
     q, k, v, grad, s0, _ = _inputs(300, 64, 128, BF16, False, 11)

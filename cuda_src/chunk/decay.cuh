@@ -1,4 +1,4 @@
-// chunk/decay.cuh -- an output warp's decay factors (non-negative powers of gamma only).
+// chunk/decay.cuh -- powers of gamma: the output warps' decay factors, the state update's weights.
 #pragma once
 #include "../include/types.cuh"
 
@@ -70,5 +70,42 @@ struct rtk_chunk_decay {
   __device__ __forceinline__ void mask_diag(float (&x)[4], int jd) const {
     #pragma unroll
     for (int e = 0; e < 4; ++e) x[e] = diag[jd][e] >= 0.f ? x[e] * diag[jd][e] : 0.f;
+  }
+};
+
+// The weights of the state update's A operand, k^T, for the thread's key rows of k-step kk in a
+// chunk of len tokens: s = 16 kk + 2 t4 + {0, 1} (lo: registers 0, 1 of an A fragment) and s + 8
+// (hi: registers 2, 3). S takes gamma^(len-1-s); with DERIV, W = dS/dlog(gamma) also takes
+// (len-1-s) gamma^(len-1-s). Rows s >= len weigh 0 (the tile's rows past a short last chunk).
+template <int DT, bool DERIV>
+struct rtk_key_weights {
+  rtk_u32 lo, hi, dlo, dhi;
+
+  __device__ __forceinline__ rtk_key_weights(float lg2, int len, int kk, int t4) {
+    float e[4], d[4];
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int s = kk * 16 + 2 * t4 + (i >> 1) * 8 + (i & 1);
+      e[i] = s < len ? rtk_exp2(lg2 * (float)(len - 1 - s)) : 0.f;
+      d[i] = (float)(len - 1 - s) * e[i];
+    }
+    lo = rtk_pack2<DT>(e[0], e[1]);
+    hi = rtk_pack2<DT>(e[2], e[3]);
+    dlo = DERIV ? rtk_pack2<DT>(d[0], d[1]) : 0u;
+    dhi = DERIV ? rtk_pack2<DT>(d[2], d[3]) : 0u;
+  }
+  // a: an A fragment of k^T, weighted in place for S; da (DERIV): the same fragment weighted for W
+  // (taken from a before a is weighted).
+  __device__ __forceinline__ void apply(rtk_u32 (&a)[4], rtk_u32 (&da)[4]) const {
+    if (DERIV) {
+      da[0] = rtk_mul2<DT>(a[0], dlo);
+      da[1] = rtk_mul2<DT>(a[1], dlo);
+      da[2] = rtk_mul2<DT>(a[2], dhi);
+      da[3] = rtk_mul2<DT>(a[3], dhi);
+    }
+    a[0] = rtk_mul2<DT>(a[0], lo);
+    a[1] = rtk_mul2<DT>(a[1], lo);
+    a[2] = rtk_mul2<DT>(a[2], hi);
+    a[3] = rtk_mul2<DT>(a[3], hi);
   }
 };

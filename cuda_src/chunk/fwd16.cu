@@ -33,8 +33,10 @@
 // per chunk, over this tile's BV columns (the tiles' sums add up to the whole, every term being
 // linear in x and v), with W = dS/dlog(gamma) carried beside S by the state warps,
 //   W = gamma^len (W + len S) + sum_s (len-1-s) gamma^(len-1-s) k_s^T v_s,
-// and published as a 16-bit copy like S's. Each CTA writes one float to dlog_out[row][tile][h];
-// rtkernels/methods/chunk/decay_grad.py has the math and the sum over the CTAs.
+// and published as a 16-bit copy like S's. Each CTA writes one float to
+// dlog_out[segment][row][tile][h]; rtkernels/methods/chunk/decay_grad.py has the math and the sum
+// over the CTAs. Split into segments (RTK_MODE_FOLD), a CTA starts from S and W entering its
+// segment, which rtk_chunk_states<..., DLOG> leaves in the slots (rtk_chunk_state::fold_with).
 
 #include "../include/copy.cuh"
 #include "../include/mma_sm80.cuh"
@@ -87,7 +89,7 @@ struct rtk_chunk_smem {
 // WG (sm_90a only, KMAX <= 128, BV a multiple of 64): the output warps form one warpgroup that
 // computes the chunk with wgmma (q k^T and q S from shared memory, P v with P from registers);
 // otherwise each output warp uses mma.sync on its 16 rows.
-// DLOG: see the header (16-byte aligned rows, wgmma, bf16, BV 64, mode RTK_MODE_FUSED only).
+// DLOG: see the header (16-byte aligned rows, wgmma, bf16, BV 64, not RTK_MODE_STATES).
 template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG, bool DLOG = false>
 __global__ void __launch_bounds__(256, MINB)
 rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p) {
@@ -429,7 +431,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       if (lane == 0) s_red[w] = dlog_sum;
       rtk_named_sync(2, 128);
       if (tid == 0)
-        reinterpret_cast<float*>(p.dlog_out)[((rtk_i64)b_row * gridDim.y + blockIdx.y) * H + h] =
+        reinterpret_cast<float*>(p.dlog_out)[((rtk_i64)(blockIdx.z * (gridDim.x / H) + b_row) * gridDim.y +
+                                              blockIdx.y) * H + h] =
             (s_red[0] + s_red[1]) + (s_red[2] + s_red[3]);
     }
   } else {
@@ -440,13 +443,18 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     constexpr int MSTEP = WG ? 64 : 16;
     const int sr0 = (warp - 4) * (WG ? 16 : MT * 16);
     float s_acc[MT][NT][4];
-    float w_acc[DLOG ? MT : 1][NT][4];  // DLOG: W = dS/dlog(gamma), from 0
+    float w_acc[DLOG ? MT : 1][NT][4];  // DLOG: W = dS/dlog(gamma), from 0 (or the folded slots)
     #pragma unroll
     for (int mt = 0; mt < (DLOG ? MT : 1); ++mt) rtk_zero(w_acc[mt]);
     const rtk_chunk_state<MT, NT, MSTEP> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here,
                                                mode == RTK_MODE_FOLD ? 0 : state_slot};
-    if (mode == RTK_MODE_FOLD) sf.fold(s_acc, init_state, rtk_head_log_decay(decay, decay_mode, h), seg_len, gridDim.x);
-    else sf.load(s_acc, init_state);
+    if (mode == RTK_MODE_FOLD) {
+      const float lgd = rtk_head_log_decay(decay, decay_mode, h);
+      if constexpr (DLOG) sf.template fold_with<true>(s_acc, w_acc, init_state, lgd, seg_len, gridDim.x);
+      else sf.fold(s_acc, init_state, lgd, seg_len, gridDim.x);
+    } else {
+      sf.load(s_acc, init_state);
+    }
     if (seq_bad) rtk_frag_scale(s_acc, __int_as_float(0x7fc00000));  // invalid packed offsets: NaN states
     auto publish_max = [&](int slot) {  // fp16
       if (DT != RTK_F16) return;
@@ -509,31 +517,13 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       rtk_frag_scale(s_acc, carry);
       // k-step kk (tokens s = 16 kk ..): a[mt] = the A fragment of (k_s gamma^(len-1-s))^T for
       // m-tile mt, and for W a2[mt] of (k_s (len-1-s) gamma^(len-1-s))^T (weights 0 past len)
-      auto weighted_k = [&](int kk, rtk_u32 (&a)[MT][4], rtk_u32 (&a2)[DLOG ? MT : 1][4]) {
-        const int s_a = kk * 16 + 2 * t4, s_b = s_a + 8;
-        float e4[4];
-        #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int s_i = (i < 2 ? s_a : s_b) + (i & 1);
-          e4[i] = s_i < len ? rtk_exp2(lg2 * (float)(len - 1 - s_i)) : 0.f;
-        }
-        const rtk_u32 wa = rtk_pack2<DT>(e4[0], e4[1]), wb = rtk_pack2<DT>(e4[2], e4[3]);
+      auto weighted_k = [&](int kk, rtk_u32 (&a)[MT][4], rtk_u32 (&a2)[MT][4]) {
+        const rtk_key_weights<DT, DLOG> kw(lg2, len, kk, t4);
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * L::qk_off(kk * 16 + (lane & 7) + (lane >> 4) * 8,
                                                            (sr0 + mt * MSTEP) / 8 + ((lane >> 3) & 1)));
-          if constexpr (DLOG) {
-            const rtk_u32 wa2 = rtk_pack2<DT>((float)(len - 1 - s_a) * e4[0], (float)(len - 2 - s_a) * e4[1]);
-            const rtk_u32 wb2 = rtk_pack2<DT>((float)(len - 1 - s_b) * e4[2], (float)(len - 2 - s_b) * e4[3]);
-            a2[mt][0] = rtk_mul2<DT>(a[mt][0], wa2);
-            a2[mt][1] = rtk_mul2<DT>(a[mt][1], wa2);
-            a2[mt][2] = rtk_mul2<DT>(a[mt][2], wb2);
-            a2[mt][3] = rtk_mul2<DT>(a[mt][3], wb2);
-          }
-          a[mt][0] = rtk_mul2<DT>(a[mt][0], wa);  // k_s * gamma^(len-1-s), s = kk*16 + 2*t4 + {0, 1}
-          a[mt][1] = rtk_mul2<DT>(a[mt][1], wa);
-          a[mt][2] = rtk_mul2<DT>(a[mt][2], wb);  // s + 8
-          a[mt][3] = rtk_mul2<DT>(a[mt][3], wb);
+          kw.apply(a[mt], a2[mt]);
         }
       };
       if constexpr (WG) {
@@ -541,7 +531,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         const unsigned long long dv = rtk_wg_desc(sV_addr, RTK_MN_LBO(C * 128), RTK_MN_SBO(C * 128));
         #pragma unroll 1
         for (int kk = 0; kk * 16 < len; ++kk) {
-          rtk_u32 a[MT][4], a2[DLOG ? MT : 1][4];
+          rtk_u32 a[MT][4], a2[MT][4];  // a2: DLOG only
           weighted_k(kk, a, a2);
           rtk_wg_fence();
           #pragma unroll
@@ -567,7 +557,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       } else {
         #pragma unroll 1
         for (int kk = 0; kk * 16 < len; ++kk) {
-          rtk_u32 a[MT][4], a2[DLOG ? MT : 1][4];
+          rtk_u32 a[MT][4], a2[MT][4];  // a2: DLOG only
           weighted_k(kk, a, a2);
           #pragma unroll
           for (int np = 0; np < NT / 2; ++np) {

@@ -17,11 +17,17 @@
 // rows (w % 4) * 16 MT .. and the BV / 2 columns (w / 4) * BV / 2 .., for every key of each chunk
 // (large warp tiles: fewer shared-memory fragment loads per mma). STAGES chunks of k and v in
 // flight (cp.async), one barrier per chunk.
+//
+// DLOG (the split dq pass of a trainable decay, rtk_chunk_fwd's DLOG): each segment also carries
+// W = dS/dlog(gamma), W = gamma^len (W + len S) + sum_s (len-1-s) gamma^(len-1-s) k_s^T v_s from
+// 0, into the W slots that follow the segments' S slots (slot segments + z + 1); BV 64 (S and W
+// in registers).
 #include "../include/copy.cuh"
 #include "../include/mma_sm80.cuh"
 #include "../include/params.cuh"
 #include "../include/state_frag.cuh"
 #include "cta.cuh"
+#include "decay.cuh"
 #include "epilogue.cuh"
 #include "loader.cuh"
 #include "modes.cuh"
@@ -33,7 +39,7 @@ struct rtk_chunk_states_smem {
   static constexpr int BYTES = STAGES * STAGE * 2;
 };
 
-template <int DT, int KMAX, int BV, bool VEC, int STAGES>
+template <int DT, int KMAX, int BV, bool VEC, int STAGES, bool DLOG = false>
 __global__ void __launch_bounds__(256, 2)
 rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p) {  // grid.z: segments - 1
   RTK_FWD_SHAPE(p.f);
@@ -78,8 +84,9 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
   // from zero; rtk_chunk_fwd in RTK_MODE_FOLD combines them (rtk_chunk_state::fold)
   const rtk_i64 slot = (rtk_i64)gridDim.x * Dk * Dv;
   const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, state_slot + slot};
-  float s_acc[MT][NT][4];
+  float s_acc[MT][NT][4], w_acc[DLOG ? MT : 1][NT][4];
   rtk_zero(reinterpret_cast<float (&)[MT * NT][4]>(s_acc));
+  rtk_zero(reinterpret_cast<float (&)[(DLOG ? MT : 1) * NT][4]>(w_acc));
   if (blockIdx.z == 0) {
     const rtk_chunk_state<MT, NT> s0 = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, 0};
     s0.load(s_acc, init_state);
@@ -102,18 +109,22 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
     const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
     const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
     const float carry = rtk_exp2(lg2 * (float)len);
+    if constexpr (DLOG) {  // W = gamma^len (W + len S), before S moves on
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) w_acc[mt][nt][e] = carry * (w_acc[mt][nt][e] + (float)len * s_acc[mt][nt][e]);
+    }
     rtk_frag_scale(s_acc, carry);
     #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
       if (kk * 16 < len) {
-        const int s_a = kk * 16 + 2 * t4, s_b = s_a + 8;
-        const rtk_u32 wa = rtk_pack2<DT>(s_a < len ? rtk_exp2(lg2 * (float)(len - 1 - s_a)) : 0.f,
-                                         s_a + 1 < len ? rtk_exp2(lg2 * (float)(len - 2 - s_a)) : 0.f);
-        const rtk_u32 wb = rtk_pack2<DT>(s_b < len ? rtk_exp2(lg2 * (float)(len - 1 - s_b)) : 0.f,
-                                         s_b + 1 < len ? rtk_exp2(lg2 * (float)(len - 2 - s_b)) : 0.f);
+        const rtk_key_weights<DT, DLOG> kw(lg2, len, kk, t4);
         // every fragment of the k-step first, then the mma: the ldmatrix and mma asm statements
         // are volatile (kept in order), so interleaving them would expose each load's latency
-        rtk_u32 a[MT][4], bb[NT / 2][4];
+        rtk_u32 a[MT][4], a2[MT][4], bb[NT / 2][4];  // a2: DLOG only
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
           rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * KS +
@@ -123,22 +134,26 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
           rtk_ldsm_x4_trans(bb[np], sV_addr + 2 * ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + c0 +
                                                    np * 16 + (lane >> 4) * 8));
         #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          a[mt][0] = rtk_mul2<DT>(a[mt][0], wa);  // k_s * gamma^(len-1-s), s = kk*16 + 2*t4 + {0, 1}
-          a[mt][1] = rtk_mul2<DT>(a[mt][1], wa);
-          a[mt][2] = rtk_mul2<DT>(a[mt][2], wb);  // s + 8
-          a[mt][3] = rtk_mul2<DT>(a[mt][3], wb);
-        }
+        for (int mt = 0; mt < MT; ++mt) kw.apply(a[mt], a2[mt]);
         #pragma unroll
         for (int np = 0; np < NT / 2; ++np)
           #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             rtk_mma16816<DT>(s_acc[mt][2 * np], a[mt], bb[np][0], bb[np][1]);
             rtk_mma16816<DT>(s_acc[mt][2 * np + 1], a[mt], bb[np][2], bb[np][3]);
+            if constexpr (DLOG) {
+              rtk_mma16816<DT>(w_acc[mt][2 * np], a2[mt], bb[np][0], bb[np][1]);
+              rtk_mma16816<DT>(w_acc[mt][2 * np + 1], a2[mt], bb[np][2], bb[np][3]);
+            }
           }
       }
     }
   }
   sf.store(s_acc, final_state);
+  if constexpr (DLOG) {  // W slot z + 1, after the segments' S slots
+    rtk_chunk_state<MT, NT> wf = sf;
+    wf.state_slot += (rtk_i64)(gridDim.z + 1) * slot;
+    wf.store(w_acc, final_state);
+  }
 }
 

@@ -51,15 +51,29 @@ struct rtk_chunk_state {
   // s = gamma^seg_len s + slot[j] for j = 2 .. z (as rtk_chunk_seg_scan, in the same order).
   __device__ __forceinline__ void fold(float (&s_acc)[MT][NT][4], const float* slots, float lgd, rtk_i64 seg_len,
                                        int bh_count) const {
+    fold_with<false>(s_acc, s_acc, slots, lgd, seg_len, bh_count);
+  }
+  // fold, and with WITH_W also W = dS/dlog(gamma) entering the segment (the backward's dq pass
+  // of a trainable decay) from the gridDim.z W slots that follow the S slots (W slot j: the W of
+  // the state in S slot j; slot 0's is 0, the initial state does not depend on gamma):
+  // w = W slot[1] (0 for z = 0), then w = gamma^seg_len (w + seg_len s) + W slot[j], s before its step.
+  template <bool WITH_W>
+  __device__ __forceinline__ void fold_with(float (&s_acc)[MT][NT][4], float (&w_acc)[MT][NT][4], const float* slots,
+                                            float lgd, rtk_i64 seg_len, int bh_count) const {
     const int z = blockIdx.z;
     const rtk_i64 slot = (rtk_i64)bh_count * Dk * Dv;
+    const float* w_slots = slots + (rtk_i64)gridDim.z * slot;
     load(s_acc, slots + (z < 1 ? 0 : slot));
-    const float carry = expf(lgd * (float)seg_len);
+    if (WITH_W) load(w_acc, z < 1 ? nullptr : w_slots + slot);
+    const float carry = expf(lgd * (float)seg_len), len = (float)seg_len;
     #pragma unroll 1
     for (int j = 2; j <= z; ++j) {
       const float* sj = slots + j * slot;
+      const float* wj = w_slots + j * slot;
       elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {
-        s_acc[mt][nt][e] = fmaf(carry, s_acc[mt][nt][e], real ? sj[off] : 0.f);
+        const float s = s_acc[mt][nt][e];
+        if (WITH_W) w_acc[mt][nt][e] = fmaf(carry, fmaf(len, s, w_acc[mt][nt][e]), real ? wj[off] : 0.f);
+        s_acc[mt][nt][e] = fmaf(carry, s, real ? sj[off] : 0.f);
       });
     }
   }

@@ -49,7 +49,12 @@ partial scores q_t . k_s over the tile's columns. Dotting with q_t's columns of 
 
 is the tile's share of the first two terms above (every term is linear in q's and k's columns, so
 the tiles' shares add up to the whole), summed in fp32 and written once per CTA into the same
-kind of buffer, then summed by the same second launch. The products read the 16-bit copies of S
+kind of buffer, then summed by the same second launch. Where few (batch, head, tile) CTAs walk a
+long sequence, the pass splits it into segments as the forward does (:func:`.plan.dlog_launch`):
+``rtk_chunk_states`` carries W beside S over each segment but the last, and the CTAs of segment
+z + 1 start from S and W entering it, W_in(z+1) = gamma^L (W_in(z) + L S_in(z)) + W_own(z) (L the
+segment's length; the derivative of S_in(z+1) = gamma^L S_in(z) + S_own(z)), each writing its own
+partial sum. The products read the 16-bit copies of S
 and W (rounded once, as the forward's S copy), the scores P in fp32 (not rounded to 16 bits).
 """
 
@@ -63,7 +68,7 @@ import torch
 from ...decay import LogDecay
 from ...jit import dtype_code, get_function, launch
 from .._launch import fwd_tail, unit_stride
-from .plan import _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config
+from .plan import _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config, dlog_launch
 
 __all__ = ["SOURCE", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "all_configs", "name_expression", "smem_bytes",
            "kernel_log_decay_grad", "dq_pass_sums", "dq_pass_partials", "sum_partials", "torch_w_recurrence"]
@@ -171,10 +176,11 @@ def dq_pass_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: to
 
 
 def dq_pass_partials(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The ``[B, tiles, H]`` float32 buffer the dq pass writes its partial sums into (tiles of 64
-    columns of Dk)."""
-    b, h, _, dk = q.shape
-    return torch.empty(b, -(-dk // 64), h, dtype=torch.float32, device=q.device)
+    """The ``[segments * B, tiles, H]`` float32 buffer the dq pass writes its partial sums into
+    (tiles of 64 columns of Dk; the pass's sequence segments, :func:`.plan.dlog_launch`)."""
+    b, h, n, dk = q.shape
+    segments = dlog_launch(q.dtype, v.shape[-1], dk, b * h, n, q.device.index, current_overrides()).segments
+    return torch.empty(segments * b, -(-dk // 64), h, dtype=torch.float32, device=q.device)
 
 
 def torch_w_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, scale: float,

@@ -13,9 +13,9 @@ from ...autotune.space import Config, Limits, Problem
 from ...decay import LogDecay
 from ...jit import get_function, launch as _launch_kernel
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
-from .plan import (CHUNK_KERNEL, MODE_FOLD, MODE_FUSED, MODE_STATES, SEG_SCAN_SOURCE, STATES_SOURCE, Launch,
-                   _launch_of, _sm_count, _smem_limit, aligned, current_overrides, dlog_config, key_pieces,
-                   packed_launch, plan_launch, states_config, states_name, states_smem_bytes, tuned_launch)
+from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, SEG_SCAN_SOURCE, STATES_SOURCE, Launch, _sm_count,
+                   _smem_limit, aligned, current_overrides, dlog_launch, key_pieces, packed_launch, plan_launch, split,
+                   states_config, states_name, states_smem_bytes, tuned_launch)
 
 __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "pass_launcher",
            "call_pieces"]
@@ -66,13 +66,14 @@ class ChunkLaunch:
     each call then takes ``seqs``, the addresses of the int64 offsets and of their validity flag
     (device tensors: they go into the struct parameter, packed per call).
 
-    ``dlog``: the instance that also sums dlog(gamma) (:func:`.plan.dlog_config`, which must exist
-    for these operands; the backward's dq pass), one segment; each call then takes ``dlog``, the
-    addresses of x and of the ``[rows, Dv / 64, H]`` float32 partial sums.
+    ``dlog``: the instance that also sums dlog(gamma) (:func:`.plan.dlog_launch`; the backward's dq
+    pass); each call then takes ``dlog``, the addresses of x and of the ``[segments * rows, Dv / 64,
+    H]`` float32 partial sums. Split into segments, its states pass also carries W = dS/dlog(gamma)
+    (twice the slots).
     """
 
-    __slots__ = ("fused", "states", "scan", "device", "log_decay", "decay_ptr", "nseg", "state_shape", "need_state",
-                 "offsets", "packed")
+    __slots__ = ("fused", "states", "scan", "device", "log_decay", "decay_ptr", "nseg", "slots", "state_shape",
+                 "need_state", "offsets", "packed")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
                  out: torch.Tensor, need_state: bool, reverse: bool = False, fp32_precision: str = "exact",
@@ -89,39 +90,42 @@ class ChunkLaunch:
         if sequences:
             bh = sequences * h
         if dlog:
-            lp = _launch_of(dlog_config(q.dtype, dk, vec), 1)
+            lp = dlog_launch(q.dtype, dk, dv, bh, n, dev, over)
         elif sequences:
             lp = packed_launch(q.dtype, dk, dv, vec, bh, max(1, n // sequences), dev, over, exact)
         else:
             lp = pass_launch(q.dtype, b, h, n, dk, dv, dev, vec, exact, tuned)
         name, bv, nseg, smem, threads, opts = lp.name, lp.bv, lp.segments, lp.smem, lp.threads, lp.options
-        seg_len = -(-n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
-        self.nseg = nseg = -(-n // seg_len)
+        seg_len, nseg = split(n, nseg)
+        self.nseg = nseg
+        self.slots = nseg * (2 if dlog else 1)  # of the split strategy's state buffer (dlog: then W's)
         fn = get_function(lp.source, name, dev, extra_options=opts, dynamic_smem=smem)
         self.log_decay = log_decay  # keeps the tensor the kernels read alive
         self.decay_ptr, mode = log_decay.kernel_arg()
         grid, block, tail = (bh, -(-dv // bv), nseg), (threads, 1, 1), fwd_tail(q, k, v, out, scale, mode, reverse)
-        # the split strategy with the dedicated states kernel: its slots, then the fused pass folding them
-        fold = nseg > 1 and q.dtype != torch.float32 and over.dedicated_states
+        # the split strategy with the dedicated states kernel (always for dlog): its slots, then the
+        # fused pass folding them
+        fold = nseg > 1 and q.dtype != torch.float32 and (over.dedicated_states or dlog)
         self.device = q.device
         self.need_state = need_state
         self.state_shape = (sequences or b, h, dk, dv)
         self.scan = None
         self.packed = None
-        if sequences or dlog:  # addresses that change per call: the struct is packed at each launch
-            self.packed = (fn, grid, block, smem, dev, (*tail, seg_len, MODE_FUSED), int(reverse))
-            self.fused = None
-            return
-        # head: q, k, v, out, log-decay, initial state, final state pointers; no packed sequences
-        self.fused = fn.bind(grid, block, smem, dev, FWD_POINTERS,
-                             (*tail, seg_len, MODE_FOLD if fold else MODE_FUSED, 0, 0, 0, 0, 0))
+        self.states = None
         if fold:
-            sc = states_config(q.dtype, dk, dv, vec, _smem_limit(dev))
+            sc = states_config(q.dtype, dk, dv, vec, _smem_limit(dev), dlog)
             ssmem = states_smem_bytes(sc[1], sc[2], sc[4])
             sfn = get_function(STATES_SOURCE, states_name(sc), dev, dynamic_smem=ssmem)
             self.states = sfn.bind((bh, -(-dv // sc[2]), nseg - 1), block, ssmem, dev, FWD_POINTERS,
                                    (*tail, seg_len, 0, 0, 0, 0, 0, 0))
-        elif nseg > 1:  # the fused kernel's states-only mode and the scan kernel
+        mode_k = MODE_FOLD if fold else MODE_FUSED
+        if sequences or dlog:  # addresses that change per call: the struct is packed at each launch
+            self.packed = (fn, grid, block, smem, dev, (*tail, seg_len, mode_k), int(reverse))
+            self.fused = None
+            return
+        # head: q, k, v, out, log-decay, initial state, final state pointers; no packed sequences
+        self.fused = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, mode_k, 0, 0, 0, 0, 0))
+        if nseg > 1 and not fold:  # the fused kernel's states-only mode and the scan kernel
             self.states = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, MODE_STATES, 0, 0, 0, 0, 0))
             total = bh * dk * dv
             # head: segment states, entering states, initial state, final state, log-decay pointers
@@ -149,21 +153,21 @@ class ChunkLaunch:
         if self.offsets is not None:
             oq, ok, ov, oo = self.offsets
             qp, kp, vp, op = qp + oq, kp + ok, vp + ov, op + oo
+        local = None if self.nseg == 1 else torch.empty((self.slots, *self.state_shape), dtype=torch.float32,
+                                                        device=self.device)
+        if self.scan is None and self.states is not None:
+            # split sequence, rtk_chunk_states: the initial state and the state each segment but the
+            # last ends with in the slots of ``local``; the fused pass folds them into each
+            # segment's entering state, and its last segment stores the final state
+            self.states(qp, kp, vp, op, dp, s0p, local.data_ptr())
+            s0p = local.data_ptr()
         if self.packed is not None:
             fn, grid, block, smem, dev, tail, rev = self.packed
             _launch_kernel(fn, grid, block, (qp, kp, vp, op, dp, s0p, fp, *tail, *(seqs or (0, 0)), rev,
                                              *(dlog or (0, 0))), dev, smem, pointers=FWD_POINTERS)
             return final
-        if self.nseg == 1:
-            self.fused(qp, kp, vp, op, dp, s0p, fp)
-            return final
-        local = torch.empty((self.nseg, *self.state_shape), dtype=torch.float32, device=self.device)
         if self.scan is None:
-            # split sequence, rtk_chunk_states: the initial state and the state each segment but the
-            # last ends with in the slots of ``local``; the fused pass folds them into each
-            # segment's entering state, and its last segment stores the final state
-            self.states(qp, kp, vp, op, dp, s0p, local.data_ptr())
-            self.fused(qp, kp, vp, op, dp, local.data_ptr(), fp)
+            self.fused(qp, kp, vp, op, dp, s0p, fp)
             return final
         # split sequence: each segment's own state (no initial state), the scan over the segments'
         # states, then the fused pass of each segment from its entering state
@@ -287,10 +291,11 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     per (sequence, head), one segment, states ``[S, H, Dk, Dv]``. A reversed pass reads sequence s
     from its last token to its first.
 
-    ``dlog``: ``(x, partial)``, the backward's dq pass of a trainable decay (not reversed, one
-    segment): the DLOG instance (:func:`.plan.dlog_config`, which must exist for these operands),
-    which also writes each CTA's share of dlog(gamma) into ``partial`` (``[rows, Dv / 64, H]``
-    float32; :mod:`.decay_grad` sums it); x has v's shape and strides.
+    ``dlog``: ``(x, partial)``, the backward's dq pass of a trainable decay (not reversed): the
+    DLOG instance (:func:`.plan.dlog_launch`, whose :func:`.plan.dlog_config` must exist for these
+    operands), which also writes each CTA's share of dlog(gamma) into ``partial`` (``[segments *
+    rows, Dv / 64, H]`` float32, :func:`.decay_grad.dq_pass_partials`; :mod:`.decay_grad` sums it);
+    x has v's shape and strides.
 
     The plan is kept by call signature (:func:`pass_launcher`), so a repeated pass costs its launches."""
     q, k, v = unit_stride(q, k, v)

@@ -78,15 +78,17 @@ def states_smem_bytes(kmax: int, bv: int, stages: int) -> int:
     return 2 * stages * CHUNK_KERNEL * ((kmax + 8) + (bv + 8))
 
 
-def states_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, smem_limit: int) -> tuple:
+def states_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, smem_limit: int, dlog: bool = False) -> tuple:
     """Template arguments (DT, KMAX, BV, VEC, STAGES) of ``rtk_chunk_states``, the states-only
     pass of the split-sequence strategy for 16-bit inputs: BV 128 where KMAX <= 128 (k read once
     for up to 128 value columns: the pass is bandwidth-bound), else 64 (registers); 4 chunk stages
-    where they fit ``smem_limit`` bytes, else 2 (few instances to compile)."""
+    where they fit ``smem_limit`` bytes, else 2 (few instances to compile). ``dlog``: the instance
+    that also carries W = dS/dlog(gamma) for the split dq pass of a trainable decay (BV 64, as that
+    pass's tiles: S and W in registers), with a sixth argument, DLOG = true."""
     kmax = _kmax(dk)
-    bv = 128 if kmax <= 128 else 64
+    bv = 64 if dlog or kmax > 128 else 128
     stages = 4 if states_smem_bytes(kmax, bv, 4) <= smem_limit else 2
-    return dtype_code(dtype), kmax, bv, vec, stages
+    return (dtype_code(dtype), kmax, bv, vec, stages) + ((True,) if dlog else ())
 
 
 def states_name(config: tuple) -> str:
@@ -94,8 +96,9 @@ def states_name(config: tuple) -> str:
 
 
 def _states_configs() -> set[tuple]:
-    return {states_config(dt, dk, 128, vec, limit) for dt in (torch.float16, torch.bfloat16)
-            for dk in (64, 128, 256) for vec in (False, True) for limit in (SMEM_LIMIT_SM90, *SMEM_LIMITS_OTHER)}
+    plain = {states_config(dt, dk, 128, vec, limit) for dt in (torch.float16, torch.bfloat16)
+             for dk in (64, 128, 256) for vec in (False, True) for limit in (SMEM_LIMIT_SM90, *SMEM_LIMITS_OTHER)}
+    return plain | {states_config(torch.bfloat16, dk, 64, True, SMEM_LIMIT_SM90, dlog=True) for dk in (64, 128)}
 
 
 def all_configs() -> list[tuple]:
@@ -447,6 +450,25 @@ def packed_launch(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: i
     return plan_launch(dtype, dk, dv, vec, bh, n, dev, dataclasses.replace(overrides, segments=1), exact)
 
 
+@functools.lru_cache(maxsize=256)
+def dlog_launch(dtype: torch.dtype, dk: int, dv: int, bh: int, n: int, dev: int,
+                overrides: Overrides = Overrides()) -> Launch:
+    """The launch of the dq pass that also sums dlog(gamma) (:func:`dlog_config`'s instance, which
+    must exist for ``dtype`` and ``dk``), ``bh`` CTA rows of ``n`` tokens and ``dv`` value columns in
+    tiles of 64: split into segments as the forward is (:func:`segments_for`, one CTA per SM;
+    ``overrides.segments`` wins), the states pass then carrying W beside S
+    (:func:`states_config` with ``dlog``)."""
+    nseg = overrides.segments or segments_for(bh * -(-dv // 64), n, _sm_count(dev), 1)
+    return _launch_of(dlog_config(dtype, dk, True), split(n, nseg)[1])
+
+
+def split(n: int, segments: int) -> tuple[int, int]:
+    """(segment length, segments) of ``n`` tokens asked to split in ``segments``: the length a
+    multiple of the chunk, the count what that length gives (at most the one asked, at least 1)."""
+    seg_len = max(1, -(-n // (segments * CHUNK_KERNEL))) * CHUNK_KERNEL
+    return seg_len, max(1, -(-n // seg_len))
+
+
 def _tune_default(p: Problem, limits: Limits) -> dict:
     """The heuristic (:func:`key_pieces` and :func:`plan_launch`'s choices) as a tuning config:
     16-bit Dk > :data:`KEY_PIECE` on compute capability 9.0 as key pieces, each planned as a pass
@@ -457,7 +479,7 @@ def _tune_default(p: Problem, limits: Limits) -> dict:
     wg = dt != torch.float32 and limits.cc == (9, 0) and p.dk <= 128
     bv = value_tile(p.dv, p.bh, p.n, limits.sms) if wg else _default_bv(dt, p.dk, p.dv, limits.max_smem)
     nseg = segments_for(p.bh * -(-p.dv // bv), p.n, limits.sms, ctas_per_sm(dt, p.dk, bv, wg, limits.max_smem))
-    nseg = -(-p.n // (-(-p.n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL))
+    nseg = split(p.n, nseg)[1]
     return {"key_pieces": False, "wgmma": wg, "bv": bv, "segments": nseg}
 
 
