@@ -230,6 +230,8 @@ def _drive_split(dedicated: bool) -> Optional[str]:
                 _forward(*_qkv(1, 2, 700, 40, 72, dt), "chunk", f"split {dt}", state=True)
                 _forward(*_qkv(1, 1, 600, 200, 40, dt, seed=1), "chunk", f"split KMAX 256 {dt}", state=True)
                 _forward(*_qkv(1, 2, 520, 37, 37, dt, seed=2, offset=True), "chunk", f"split unaligned {dt}")
+        with chunk.override(wgmma=wgmma, bv=bv, segments=2, dedicated_states=dedicated):  # 2 slots a segment
+            _forward(*_qkv(1, 2, 1024, 40, 72, torch.bfloat16), "chunk", "split, slots of half a segment", state=True)
     return None
 
 
@@ -289,6 +291,9 @@ def _drive_dq_dlog() -> Optional[str]:
     with chunk.override(segments=3):  # the states pass carrying W, the DLOG pass folding S and W
         _train(*_qkv(1, 2, 1000, 72, 128, torch.bfloat16), "dlog in dq pass, 3 segments", decay_grad=True,
                state=False)
+    with chunk.override(segments=2):  # two slots a segment
+        _train(*_qkv(1, 2, 1024, 64, 128, torch.bfloat16), "dlog in dq pass, 2 segments of 2 slots",
+               decay_grad=True, state=False)
     return None
 
 
@@ -428,14 +433,14 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
                   "chunk/fwd16.cu, mma.sync, one pass, MINB 1 and 2, KMAX 64-256, VEC on/off"),
     "fwd16-wgmma-bv64": (lambda: _drive_fwd16(True, 64), "chunk/fwd16.cu, wgmma, BV 64"),
     "fwd16-wgmma-bv128": (lambda: _drive_fwd16(True, 128), "chunk/fwd16.cu, wgmma, BV 128"),
-    "split-states": (lambda: _drive_split(True), "chunk/states.cu + fwd16 folding its slots (3 segments)"),
+    "split-states": (lambda: _drive_split(True), "chunk/states.cu + fwd16 folding its slots (3 segments; 2 of 2 slots)"),
     "split-segscan": (lambda: _drive_split(False), "fwd16 states-only pass + chunk/seg_scan.cu"),
     "f32-exact": (lambda: _drive_f32("exact"), "chunk/fwd_f32.cu 3xTF32, one pass and split (+ seg_scan)"),
     "f32-tf32": (lambda: _drive_f32("tf32"), "chunk/fwd_f32.cu TF32, one pass and split (+ seg_scan)"),
     "backward": (_drive_backward, "kernel backward: forward and reversed passes, 16-bit and fp32, split"),
     "decay-grad": (_drive_decay_grad, "chunk/decay_grad.cu (BV 32 and 64, KMAX 256) + chunk/decay_grad_sum.cu"),
     "dq-dlog": (_drive_dq_dlog, "chunk/fwd16.cu DLOG (dlog(gamma) in the backward's dq pass, bf16 wgmma; one "
-                                "segment and three, with chunk/states.cu DLOG) + chunk/decay_grad_sum.cu"),
+                                "segment, three, two of two slots, with chunk/states.cu DLOG) + chunk/decay_grad_sum.cu"),
     "large-heads": (_drive_large_heads, "chunk kernels at Dk 200-256, Dv 320-512: key pieces and one pass, "
                                         "forward, backward, dlog(gamma)"),
     "scan": (lambda: _drive_method("scan"), "scan.cu, KMAX 32-256, fp32/fp16/bf16"),

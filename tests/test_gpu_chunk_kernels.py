@@ -39,6 +39,31 @@ def test_split_sequence(variant, shape, dtype, segments, monkeypatch):
     base.test_chunk_split_sequence_strategy(shape, dtype, segments, monkeypatch)
 
 
+@pytest.mark.parametrize("segments", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_states_pass_slots_shorter_than_segments(variant, dtype, segments, monkeypatch):
+    """The states pass over slots that split each segment (plan.fold_parts: 8 slots of 256 tokens
+    per segment of 2048 with two segments, 2 of 704 with three), folded by the fused pass: outputs
+    and final state at gamma 0.999 and 0.9999, where a carry over the wrong number of tokens shows
+    (0.999^256 = 0.77, 0.999^2048 = 0.13), with an initial state."""
+    from rtkernels.methods.chunk import plan
+
+    force_chunk(monkeypatch, segments=segments)
+    b, h, n, d = 1, 2, 4096, 64
+    seg_len, nseg = plan.split(n, segments)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert plan.fold_parts(seg_len, nseg, b * h, 2 * sms) == (8 if segments == 2 else 2)
+    g = torch.Generator(device="cuda").manual_seed(21)
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=g).to(dtype) / 8 for _ in range(3))
+    s0 = torch.randn(b, h, d, d, device="cuda", generator=g) / 4
+    decay = torch.tensor([0.999, 0.9999], dtype=torch.float64, device="cuda")
+    out, state = rtkernels.causal_linear_attention(q, k, v, decay, method="chunk", initial_state=s0,
+                                                   return_state=True)
+    ref, ref_state = base.reference(q, k, v, decay.cpu(), initial_state=s0)
+    base.assert_close(out, ref, dtype, f"slots of {segments} segments", n=n)
+    base.assert_close(state, ref_state, dtype, f"slots of {segments} segments, state")
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_rate_scale_state_and_two_pieces(variant, dtype):
     base.test_kernel_rate_scale_and_state(dtype, "chunk")

@@ -82,12 +82,14 @@ def test_matches_fp64_autograd(monkeypatch, n, sizes, with_s0):
 
 @pytest.mark.parametrize("with_s0", [True, False], ids=["s0", "no-s0"])
 @pytest.mark.parametrize("n, sizes, segments", [(65, (40, 72), 2), (1000, (128, 128), 3), (1000, (200, 40), 7),
-                                                (4096, (256, 128), 5), (777, (64, 64), 4)], ids=str)
+                                                (4096, (256, 128), 5), (777, (64, 64), 4), (4096, (128, 128), 2),
+                                                (3000, (40, 72), 2)], ids=str)
 def test_split_sequence(monkeypatch, n, sizes, segments, with_s0):
     """The dq pass split into segments (the states pass carrying W beside S, each segment's CTAs
-    folding both): dlog(gamma) within bf16's tolerance of fp64 autograd on every head, dq as the
-    plain pass split the same way gives it to bf16 rounding, and the partial sums one row of CTAs
-    per segment."""
+    folding both; with 2 segments of 2048 and 1536 tokens, over slots of 256 tokens, 8 and 6 per
+    segment): dlog(gamma) within bf16's tolerance of fp64 autograd on every head, dq as the plain
+    pass split the same way gives it to bf16 rounding, and the partial sums one row of CTAs per
+    segment."""
     dk, dv = sizes
     want_segments = plan.split(n, segments)[1]
     for positive in (True, False):

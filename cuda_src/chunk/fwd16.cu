@@ -450,8 +450,9 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
                                                mode == RTK_MODE_FOLD ? 0 : state_slot};
     if (mode == RTK_MODE_FOLD) {
       const float lgd = rtk_head_log_decay(decay, decay_mode, h);
-      if constexpr (DLOG) sf.template fold_with<true>(s_acc, w_acc, init_state, lgd, seg_len, gridDim.x);
-      else sf.fold(s_acc, init_state, lgd, seg_len, gridDim.x);
+      const int per_seg = (int)(seg_len / p.fold_len);
+      if constexpr (DLOG) sf.template fold_with<true>(s_acc, w_acc, init_state, lgd, p.fold_len, per_seg, gridDim.x);
+      else sf.fold(s_acc, init_state, lgd, p.fold_len, per_seg, gridDim.x);
     } else {
       sf.load(s_acc, init_state);
     }

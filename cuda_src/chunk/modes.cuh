@@ -11,16 +11,18 @@
 #define RTK_MODE_FOLD 2
 
 // The chunk kernels' struct parameter: the forward's shape, then the segment length (tokens per
-// segment of the split-sequence strategy; grid.z is the segment) and the mode, then packed
+// segment of the split-sequence strategy; grid.z is the segment), the mode, and for RTK_MODE_FOLD
+// the tokens of each slot the states pass wrote (a divisor of seg_len: a segment's state folds
+// seg_len / fold_len slots, so the states pass can run more CTAs than there are segments), then packed
 // sequences (rtkernels/methods/chunk/packed.py): the address of S + 1 int64 offsets on the device
 // (0: none; grid.x is then S * H and the batch is one), the address of a bool saying they are valid,
 // and 1 where the launch is reversed (kernel row n is tensor row N-1-n); then, read only by the
 // DLOG instances of rtk_chunk_fwd (the backward's dq pass with dlog(gamma)), the address of the
 // tensor x whose rows dot the outputs (read with v's strides) and of the float partial sums
-// ([rows, value tiles, H]). CHUNK_FIELDS in rtkernels/methods/chunk/plan.py mirrors the fields after f.
+// ([segments * rows, value tiles, H]). CHUNK_FIELDS in rtkernels/methods/chunk/plan.py mirrors the fields after f.
 struct rtk_chunk_shape {
   rtk_fwd_shape f;
-  rtk_i64 seg_len, mode;
+  rtk_i64 seg_len, mode, fold_len;
   rtk_i64 cu_seqlens, cu_valid, cu_reverse;
   rtk_i64 dlog_x, dlog_out;
 };

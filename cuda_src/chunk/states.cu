@@ -1,14 +1,15 @@
 // chunk/states.cu -- rtk_chunk_states.
 //
-// The first pass of the split-sequence strategy for 16-bit inputs, as a kernel of its own: the
-// state each segment but the last ends with, local[z] = sum_s gamma^(NS-1-s) k_s^T v_s over the
-// segment's NS tokens (segment 0 from the initial state, the others from zero), formed chunk by
-// chunk as S = gamma^len S + sum_s gamma^(len-1-s) k_s^T v_s exactly as the state warps of
-// rtk_chunk_fwd do (the same operands, weights and mma), into slot z + 1 of final_state; segment
-// 0's CTAs also copy the initial state (zeros without one) to slot 0. The fused pass then starts
-// each segment from these slots (RTK_MODE_FOLD): no scan kernel, and the last segment, whose
-// state nobody needs before the fused pass, is not read twice. Same parameters as rtk_chunk_fwd
-// (q and o are not read).
+// The first pass of the split-sequence strategy for 16-bit inputs, as a kernel of its own. Its
+// launch splits the tokens before the last segment into slots of p.seg_len tokens (a whole
+// segment, or a part of one: more CTAs where few segments would leave multiprocessors idle); CTA
+// z forms local[z] = sum_s gamma^(NS-1-s) k_s^T v_s over its slot's NS tokens (slot 0 from the
+// initial state, the others from zero), chunk by chunk as S = gamma^len S + sum_s
+// gamma^(len-1-s) k_s^T v_s exactly as the state warps of rtk_chunk_fwd do (the same operands,
+// weights and mma), into slot z + 1 of final_state; CTAs z = 0 also copy the initial state (zeros
+// without one) to slot 0. The fused pass then starts each segment from these slots
+// (RTK_MODE_FOLD): no scan kernel, and the last segment, whose state nobody needs before the
+// fused pass, is not read twice. Same parameters as rtk_chunk_fwd (q and o are not read).
 //
 // Why not rtk_chunk_fwd with states_only: there half the warps idle, the registers and shared
 // memory are sized for the fused pass, and a value tile narrower than Dv reads k once per tile.
@@ -20,8 +21,8 @@
 //
 // DLOG (the split dq pass of a trainable decay, rtk_chunk_fwd's DLOG): each segment also carries
 // W = dS/dlog(gamma), W = gamma^len (W + len S) + sum_s (len-1-s) gamma^(len-1-s) k_s^T v_s from
-// 0, into the W slots that follow the segments' S slots (slot segments + z + 1); BV 64 (S and W
-// in registers).
+// 0, into the W slots that follow the S slots (W slot z + 1 at slot gridDim.z + 1 + z + 1); BV 64
+// (S and W in registers).
 #include "../include/copy.cuh"
 #include "../include/mma_sm80.cuh"
 #include "../include/params.cuh"
@@ -41,7 +42,7 @@ struct rtk_chunk_states_smem {
 
 template <int DT, int KMAX, int BV, bool VEC, int STAGES, bool DLOG = false>
 __global__ void __launch_bounds__(256, 2)
-rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p) {  // grid.z: segments - 1
+rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p) {  // grid.z: slots - 1
   RTK_FWD_SHAPE(p.f);
   RTK_FWD_SIZES;
   const rtk_i64 seg_len = p.seg_len;  // p.mode: unused
@@ -80,8 +81,8 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
   };
 
   // slots of final_state (each [B*H, Dk, Dv]): 0 the initial state (or zeros), 1 + z the state
-  // segment z ends with: for z = 0 from the initial state (the state entering segment 1), else
-  // from zero; rtk_chunk_fwd in RTK_MODE_FOLD combines them (rtk_chunk_state::fold)
+  // CTA z's tokens end with: for z = 0 from the initial state, else from zero; rtk_chunk_fwd in
+  // RTK_MODE_FOLD combines them (rtk_chunk_state::fold)
   const rtk_i64 slot = (rtk_i64)gridDim.x * Dk * Dv;
   const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, state_slot + slot};
   float s_acc[MT][NT][4], w_acc[DLOG ? MT : 1][NT][4];
@@ -150,7 +151,7 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
     }
   }
   sf.store(s_acc, final_state);
-  if constexpr (DLOG) {  // W slot z + 1, after the segments' S slots
+  if constexpr (DLOG) {  // W slot z + 1, after the gridDim.z + 1 S slots
     rtk_chunk_state<MT, NT> wf = sf;
     wf.state_slot += (rtk_i64)(gridDim.z + 1) * slot;
     wf.store(w_acc, final_state);

@@ -46,28 +46,29 @@ struct rtk_chunk_state {
     });
   }
   // The state entering segment z = blockIdx.z of the split-sequence strategy from the slots the
-  // states pass (rtk_chunk_states) wrote: slot 0 the initial state, slot 1 the state entering
-  // segment 1, slot j > 1 segment j-1's own state (from zero): s = slot[min(z, 1)], then
-  // s = gamma^seg_len s + slot[j] for j = 2 .. z (as rtk_chunk_seg_scan, in the same order).
-  __device__ __forceinline__ void fold(float (&s_acc)[MT][NT][4], const float* slots, float lgd, rtk_i64 seg_len,
-                                       int bh_count) const {
-    fold_with<false>(s_acc, s_acc, slots, lgd, seg_len, bh_count);
+  // states pass (rtk_chunk_states) wrote, each over slot_len tokens, per_seg slots per segment:
+  // slot 0 the initial state, slot 1 the state after the first slot_len tokens, slot j > 1 the
+  // state of tokens [(j-1) slot_len, j slot_len) alone (from zero). With m = z per_seg slots
+  // before the segment: s = slot[min(m, 1)], then s = gamma^slot_len s + slot[j] for j = 2 .. m.
+  __device__ __forceinline__ void fold(float (&s_acc)[MT][NT][4], const float* slots, float lgd, rtk_i64 slot_len,
+                                       int per_seg, int bh_count) const {
+    fold_with<false>(s_acc, s_acc, slots, lgd, slot_len, per_seg, bh_count);
   }
   // fold, and with WITH_W also W = dS/dlog(gamma) entering the segment (the backward's dq pass
-  // of a trainable decay) from the gridDim.z W slots that follow the S slots (W slot j: the W of
-  // the state in S slot j; slot 0's is 0, the initial state does not depend on gamma):
-  // w = W slot[1] (0 for z = 0), then w = gamma^seg_len (w + seg_len s) + W slot[j], s before its step.
+  // of a trainable decay) from the W slots that follow the S slots (W slot j: the W of the state
+  // in S slot j; slot 0's is 0, the initial state does not depend on gamma): w = W slot[1] (0 for
+  // m = 0), then w = gamma^slot_len (w + slot_len s) + W slot[j], s before its step.
   template <bool WITH_W>
   __device__ __forceinline__ void fold_with(float (&s_acc)[MT][NT][4], float (&w_acc)[MT][NT][4], const float* slots,
-                                            float lgd, rtk_i64 seg_len, int bh_count) const {
-    const int z = blockIdx.z;
+                                            float lgd, rtk_i64 slot_len, int per_seg, int bh_count) const {
+    const int m = blockIdx.z * per_seg;
     const rtk_i64 slot = (rtk_i64)bh_count * Dk * Dv;
-    const float* w_slots = slots + (rtk_i64)gridDim.z * slot;
-    load(s_acc, slots + (z < 1 ? 0 : slot));
-    if (WITH_W) load(w_acc, z < 1 ? nullptr : w_slots + slot);
-    const float carry = expf(lgd * (float)seg_len), len = (float)seg_len;
+    const float* w_slots = slots + (rtk_i64)((gridDim.z - 1) * per_seg + 1) * slot;  // after every S slot
+    load(s_acc, slots + (m < 1 ? 0 : slot));
+    if (WITH_W) load(w_acc, m < 1 ? nullptr : w_slots + slot);
+    const float carry = expf(lgd * (float)slot_len), len = (float)slot_len;
     #pragma unroll 1
-    for (int j = 2; j <= z; ++j) {
+    for (int j = 2; j <= m; ++j) {
       const float* sj = slots + j * slot;
       const float* wj = w_slots + j * slot;
       elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {

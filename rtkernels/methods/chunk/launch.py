@@ -14,8 +14,8 @@ from ...decay import LogDecay
 from ...jit import get_function, launch as _launch_kernel
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
 from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, SEG_SCAN_SOURCE, STATES_SOURCE, Launch, _sm_count,
-                   _smem_limit, aligned, current_overrides, dlog_launch, key_pieces, packed_launch, plan_launch, split,
-                   states_config, states_name, states_smem_bytes, tuned_launch)
+                   _smem_limit, aligned, current_overrides, dlog_launch, fold_parts, key_pieces, packed_launch,
+                   plan_launch, split, states_config, states_name, states_smem_bytes, tuned_launch)
 
 __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "pass_launcher",
            "call_pieces"]
@@ -98,7 +98,7 @@ class ChunkLaunch:
         name, bv, nseg, smem, threads, opts = lp.name, lp.bv, lp.segments, lp.smem, lp.threads, lp.options
         seg_len, nseg = split(n, nseg)
         self.nseg = nseg
-        self.slots = nseg * (2 if dlog else 1)  # of the split strategy's state buffer (dlog: then W's)
+        self.slots = nseg  # of the split strategy's state buffer (the states pass's: below)
         fn = get_function(lp.source, name, dev, extra_options=opts, dynamic_smem=smem)
         self.log_decay = log_decay  # keeps the tensor the kernels read alive
         self.decay_ptr, mode = log_decay.kernel_arg()
@@ -112,21 +112,28 @@ class ChunkLaunch:
         self.scan = None
         self.packed = None
         self.states = None
-        if fold:
-            sc = states_config(q.dtype, dk, dv, vec, _smem_limit(dev), dlog)
+        fold_len = seg_len
+        if fold:  # the states pass over slots of fold_len tokens, parts of the segments but the last
+            limit = _smem_limit(dev)
+            sc = states_config(q.dtype, dk, dv, vec, limit, dlog)
             ssmem = states_smem_bytes(sc[1], sc[2], sc[4])
+            tiles = bh * -(-dv // sc[2])
+            parts = fold_parts(seg_len, nseg, tiles, _sm_count(dev) * (2 if 2 * ssmem <= limit else 1))
+            fold_len = seg_len // parts
+            self.slots = ((nseg - 1) * parts + 1) * (2 if dlog else 1)
             sfn = get_function(STATES_SOURCE, states_name(sc), dev, dynamic_smem=ssmem)
-            self.states = sfn.bind((bh, -(-dv // sc[2]), nseg - 1), block, ssmem, dev, FWD_POINTERS,
-                                   (*tail, seg_len, 0, 0, 0, 0, 0, 0))
+            self.states = sfn.bind((bh, -(-dv // sc[2]), (nseg - 1) * parts), block, ssmem, dev, FWD_POINTERS,
+                                   (*tail, fold_len, 0, fold_len, 0, 0, 0, 0, 0))
         mode_k = MODE_FOLD if fold else MODE_FUSED
         if sequences or dlog:  # addresses that change per call: the struct is packed at each launch
-            self.packed = (fn, grid, block, smem, dev, (*tail, seg_len, mode_k), int(reverse))
+            self.packed = (fn, grid, block, smem, dev, (*tail, seg_len, mode_k, fold_len), int(reverse))
             self.fused = None
             return
         # head: q, k, v, out, log-decay, initial state, final state pointers; no packed sequences
-        self.fused = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, mode_k, 0, 0, 0, 0, 0))
+        self.fused = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, mode_k, fold_len, 0, 0, 0, 0, 0))
         if nseg > 1 and not fold:  # the fused kernel's states-only mode and the scan kernel
-            self.states = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, MODE_STATES, 0, 0, 0, 0, 0))
+            self.states = fn.bind(grid, block, smem, dev, FWD_POINTERS,
+                                  (*tail, seg_len, MODE_STATES, fold_len, 0, 0, 0, 0, 0))
             total = bh * dk * dv
             # head: segment states, entering states, initial state, final state, log-decay pointers
             self.scan = get_function(SEG_SCAN_SOURCE, "rtk_chunk_seg_scan", dev).bind(
