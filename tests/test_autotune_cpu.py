@@ -410,19 +410,19 @@ def test_configs_of_a_hopelessly_slow_method_are_pruned_after_its_first():
 
 
 def test_fold_parts_fill_one_wave_in_whole_chunks():
-    """The states pass's slots per segment: whole chunks, at least 4 per slot, no more CTAs than a
-    wave holds (1 where a single slot per segment already fills it)."""
+    """The states pass's slots per segment: whole chunks, at least 4 per slot, no more CTAs than
+    SMs (1 where a single slot per segment already fills them)."""
     import itertools
 
     from rtkernels.methods.chunk import CHUNK_KERNEL, fold_parts
 
-    assert fold_parts(4096, 4, 32, 264) == 2  # (1, 32, 16384, 128) forward on an H100: 96 -> 192 CTAs
-    assert fold_parts(8192, 2, 64, 264) == 4  # its dq pass with dlog(gamma): 64 -> 256 CTAs
-    assert fold_parts(4096, 1, 32, 264) == 1  # one segment: no states pass
-    assert fold_parts(384, 3, 2, 264) == 1  # 6 chunks: no part of 4
-    assert fold_parts(1408, 3, 1, 264) == 2  # 22 chunks: 2 parts of 11
-    for seg_len, segs, tiles, wave in itertools.product((256, 704, 2048, 8192), (2, 3, 5), (1, 12, 64, 300),
-                                                        (132, 264)):
-        r = fold_parts(seg_len, segs, tiles, wave)
+    assert fold_parts(4096, 4, 32, 132) == 1  # (1, 32, 16384, 128) forward on an H100: 96 CTAs already
+    assert fold_parts(8192, 2, 64, 132) == 2  # its dq pass with dlog(gamma): 64 -> 128 CTAs
+    assert fold_parts(4096, 1, 32, 132) == 1  # one segment: no states pass
+    assert fold_parts(384, 3, 2, 132) == 1  # 6 chunks: no part of 4
+    assert fold_parts(1408, 3, 1, 132) == 2  # 22 chunks: 2 parts of 11
+    for seg_len, segs, tiles, sms in itertools.product((256, 704, 2048, 8192), (2, 3, 5), (1, 12, 64, 300),
+                                                       (108, 132)):
+        r = fold_parts(seg_len, segs, tiles, sms)
         chunks = seg_len // CHUNK_KERNEL
-        assert chunks % r == 0 and (r == 1 or (chunks // r >= 4 and tiles * (segs - 1) * r <= wave))
+        assert chunks % r == 0 and (r == 1 or (chunks // r >= 4 and tiles * (segs - 1) * r <= sms))

@@ -43,16 +43,16 @@ def test_split_sequence(variant, shape, dtype, segments, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_states_pass_slots_shorter_than_segments(variant, dtype, segments, monkeypatch):
     """The states pass over slots that split each segment (plan.fold_parts: 8 slots of 256 tokens
-    per segment of 2048 with two segments, 2 of 704 with three), folded by the fused pass: outputs
-    and final state at gamma 0.999 and 0.9999, where a carry over the wrong number of tokens shows
-    (0.999^256 = 0.77, 0.999^2048 = 0.13), with an initial state."""
+    per segment of 2048 with two segments, 2 of 704 with three, on 64 SMs or more), folded by the
+    fused pass: outputs and final state at gamma 0.999 and 0.9999, where a carry over the wrong
+    number of tokens shows (0.999^256 = 0.77, 0.999^2048 = 0.13), with an initial state."""
     from rtkernels.methods.chunk import plan
 
     force_chunk(monkeypatch, segments=segments)
     b, h, n, d = 1, 2, 4096, 64
     seg_len, nseg = plan.split(n, segments)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert plan.fold_parts(seg_len, nseg, b * h, 2 * sms) == (8 if segments == 2 else 2)
+    assert plan.fold_parts(seg_len, nseg, b * h, sms) == (8 if segments == 2 else 2)
     g = torch.Generator(device="cuda").manual_seed(21)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", generator=g).to(dtype) / 8 for _ in range(3))
     s0 = torch.randn(b, h, d, d, device="cuda", generator=g) / 4

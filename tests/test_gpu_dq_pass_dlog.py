@@ -86,8 +86,8 @@ def test_matches_fp64_autograd(monkeypatch, n, sizes, with_s0):
                                                 (3000, (40, 72), 2)], ids=str)
 def test_split_sequence(monkeypatch, n, sizes, segments, with_s0):
     """The dq pass split into segments (the states pass carrying W beside S, each segment's CTAs
-    folding both; with 2 segments of 2048 and 1536 tokens, over slots of 256 tokens, 8 and 6 per
-    segment): dlog(gamma) within bf16's tolerance of fp64 autograd on every head, dq as the plain
+    folding both; with 2 segments of 2048 and 1536 tokens, over 4 slots of 512 and 6 of 256 tokens
+    per segment on an H100): dlog(gamma) within bf16's tolerance of fp64 autograd on every head, dq as the plain
     pass split the same way gives it to bf16 rounding, and the partial sums one row of CTAs per
     segment."""
     dk, dv = sizes

@@ -114,11 +114,10 @@ class ChunkLaunch:
         self.states = None
         fold_len = seg_len
         if fold:  # the states pass over slots of fold_len tokens, parts of the segments but the last
-            limit = _smem_limit(dev)
-            sc = states_config(q.dtype, dk, dv, vec, limit, dlog)
+            sc = states_config(q.dtype, dk, dv, vec, _smem_limit(dev), dlog)
             ssmem = states_smem_bytes(sc[1], sc[2], sc[4])
             tiles = bh * -(-dv // sc[2])
-            parts = fold_parts(seg_len, nseg, tiles, _sm_count(dev) * (2 if 2 * ssmem <= limit else 1))
+            parts = fold_parts(seg_len, nseg, tiles, _sm_count(dev))
             fold_len = seg_len // parts
             self.slots = ((nseg - 1) * parts + 1) * (2 if dlog else 1)
             sfn = get_function(STATES_SOURCE, states_name(sc), dev, dynamic_smem=ssmem)

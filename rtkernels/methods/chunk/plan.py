@@ -81,29 +81,30 @@ def states_smem_bytes(kmax: int, bv: int, stages: int) -> int:
 def states_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, smem_limit: int, dlog: bool = False) -> tuple:
     """Template arguments (DT, KMAX, BV, VEC, STAGES) of ``rtk_chunk_states``, the states-only
     pass of the split-sequence strategy for 16-bit inputs: BV 128 where KMAX <= 128 (k read once
-    for up to 128 value columns), else 64 (registers); chunk stages: 4 or 3 where two CTAs fit
-    ``smem_limit`` bytes of shared memory per SM (the pass hides its latency with two, see
-    :func:`fold_parts`), else 4 where one does, else 2 (few instances to compile). ``dlog``: the instance
+    for up to 128 value columns: the pass is bandwidth-bound), else 64 (registers); 4 chunk stages
+    where they fit ``smem_limit`` bytes, else 2 (few instances to compile). ``dlog``: the instance
     that also carries W = dS/dlog(gamma) for the split dq pass of a trainable decay (BV 64, as that
     pass's tiles: S and W in registers), with a sixth argument, DLOG = true."""
     kmax = _kmax(dk)
     bv = 64 if dlog or kmax > 128 else 128
-    stages = next((st for st in (4, 3) if 2 * states_smem_bytes(kmax, bv, st) <= smem_limit),
-                  4 if states_smem_bytes(kmax, bv, 4) <= smem_limit else 2)
+    stages = 4 if states_smem_bytes(kmax, bv, 4) <= smem_limit else 2
     return (dtype_code(dtype), kmax, bv, vec, stages) + ((True,) if dlog else ())
 
 
-def fold_parts(seg_len: int, segments: int, tiles: int, wave: int) -> int:
+def fold_parts(seg_len: int, segments: int, tiles: int, sms: int) -> int:
     """Slots per segment of the states pass (``rtk_chunk_states``) for ``segments`` segments of
     ``seg_len`` tokens and ``tiles`` (batch, head, value-tile) CTAs per slot: each segment but the
     last in as many equal parts of whole chunks, at least 4 chunks each, as keep its CTAs within
-    one ``wave`` (SMs times the CTAs that share one; 1: one slot per segment). Why: the pass runs
-    one CTA per tile and slot, and one slot per segment left SMs idle (H100, (1, 32, 16384, 128):
-    96 CTAs of one per SM on 132 SMs, 1.5 TB/s); the fused pass then folds more, smaller slots."""
+    one per multiprocessor (1: one slot per segment). Why: the pass runs one CTA per tile and slot,
+    and a CTA keeps its SM busy, so a pass of fewer CTAs than SMs leaves SMs idle: on an H100 the
+    dq pass with dlog(gamma) at (1, 32, 16384, 128) had 64 states CTAs (0.170 ms), 256 in parts
+    took 0.094 ms. Parts never fill more than one wave: the SMs are the bottleneck, so a second
+    CTA on an SM runs no faster (96 CTAs of the forward at that shape in 2 parts, 192 CTAs of two
+    per SM: 0.138 -> 0.146 ms per pass, and each segment's CTAs then fold twice the slots)."""
     chunks = seg_len // CHUNK_KERNEL
     if segments < 2:
         return 1
-    most = min(max(1, wave // (tiles * (segments - 1))), chunks // 4)
+    most = min(max(1, sms // (tiles * (segments - 1))), chunks // 4)
     return max((r for r in range(1, most + 1) if chunks % r == 0), default=1)
 
 
