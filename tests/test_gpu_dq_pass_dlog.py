@@ -56,6 +56,27 @@ def _bound(x, want, positive):
     return REL_FRO[BF16] * want.abs() + 1e-4 * mag
 
 
+def _check(monkeypatch, x, positive, what, segments=None):
+    """The fused dq pass against fp64 autograd (within ``_bound``) and against the plain passes:
+    dk and dv bit for bit (the same kernels), dq to bf16 rounding; ``segments``: both split so
+    (and the partial sums one row of CTAs per segment)."""
+    q, k, v, grad, s0 = x
+    with plan.override(segments=segments):
+        if segments is not None:
+            assert decay_grad.dq_pass_partials(q, v).shape[0] == plan.split(q.shape[2], segments)[1] * q.shape[0]
+        with monkeypatch.context() as m:
+            dq, dk_, dv_, got = _grads(q, k, v, grad, s0, m, fused=True)
+        with monkeypatch.context() as m:
+            pq, pk, pv, _ = _grads(q, k, v, grad, s0, m, fused=False)
+    want = _want(q, k, v, grad, s0, None)
+    err = (got.double() - want).abs()
+    assert torch.isfinite(got).all() and (err <= _bound(x, want, positive)).all(), \
+        f"{what} positive={positive}: got {got.tolist()}, want {want.tolist()}"
+    assert torch.equal(dk_, pk) and torch.equal(dv_, pv)
+    scale = pq.float().abs().max().clamp(min=1e-30)
+    assert ((dq.float() - pq.float()).abs().max() / scale) <= 2 ** -7, "dq differs from the plain pass"
+
+
 @pytest.mark.parametrize("with_s0", [True, False], ids=["s0", "no-s0"])
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("n", NS)
@@ -66,18 +87,7 @@ def test_matches_fp64_autograd(monkeypatch, n, sizes, with_s0):
     dk, dv = sizes
     for positive in (True, False):
         q, k, v, grad, s0, _ = _inputs(n, dk, dv, BF16, positive, 1000 * n + dk + dv, b=2 if n < 4096 else 1)
-        s0 = s0 if with_s0 else None
-        with monkeypatch.context() as m:
-            dq, dk_, dv_, got = _grads(q, k, v, grad, s0, m, fused=True)
-        want = _want(q, k, v, grad, s0, None)
-        err = (got.double() - want).abs()
-        assert torch.isfinite(got).all() and (err <= _bound((q, k, v, grad, s0), want, positive)).all(), \
-            f"n={n} {sizes} positive={positive}: got {got.tolist()}, want {want.tolist()}"
-        with monkeypatch.context() as m:
-            pq, pk, pv, _ = _grads(q, k, v, grad, s0, m, fused=False)
-        assert torch.equal(dk_, pk) and torch.equal(dv_, pv)  # the same kernels
-        scale = pq.float().abs().max().clamp(min=1e-30)
-        assert ((dq.float() - pq.float()).abs().max() / scale) <= 2 ** -7, "dq differs from the plain pass"
+        _check(monkeypatch, (q, k, v, grad, s0 if with_s0 else None), positive, f"n={n} {sizes}")
 
 
 @pytest.mark.parametrize("with_s0", [True, False], ids=["s0", "no-s0"])
@@ -87,27 +97,13 @@ def test_matches_fp64_autograd(monkeypatch, n, sizes, with_s0):
 def test_split_sequence(monkeypatch, n, sizes, segments, with_s0):
     """The dq pass split into segments (the states pass carrying W beside S, each segment's CTAs
     folding both; with 2 segments of 2048 and 1536 tokens, over 4 slots of 512 and 6 of 256 tokens
-    per segment on an H100): dlog(gamma) within bf16's tolerance of fp64 autograd on every head, dq as the plain
-    pass split the same way gives it to bf16 rounding, and the partial sums one row of CTAs per
-    segment."""
+    per segment on an H100): as test_matches_fp64_autograd, against the plain passes split the
+    same way."""
     dk, dv = sizes
-    want_segments = plan.split(n, segments)[1]
     for positive in (True, False):
         q, k, v, grad, s0, _ = _inputs(n, dk, dv, BF16, positive, 7 * n + dk + segments, b=2)
-        s0 = s0 if with_s0 else None
-        with plan.override(segments=segments):
-            assert decay_grad.dq_pass_partials(q, v).shape[0] == want_segments * 2
-            with monkeypatch.context() as m:
-                dq, dk_, dv_, got = _grads(q, k, v, grad, s0, m, fused=True)
-            with monkeypatch.context() as m:
-                pq, pk, pv, _ = _grads(q, k, v, grad, s0, m, fused=False)
-        want = _want(q, k, v, grad, s0, None)
-        err = (got.double() - want).abs()
-        assert torch.isfinite(got).all() and (err <= _bound((q, k, v, grad, s0), want, positive)).all(), \
-            f"n={n} {sizes} segments={segments} positive={positive}: got {got.tolist()}, want {want.tolist()}"
-        assert torch.equal(dk_, pk) and torch.equal(dv_, pv)
-        scale = pq.float().abs().max().clamp(min=1e-30)
-        assert ((dq.float() - pq.float()).abs().max() / scale) <= 2 ** -7, "dq differs from the plain pass"
+        _check(monkeypatch, (q, k, v, grad, s0 if with_s0 else None), positive, f"n={n} {sizes} segments={segments}",
+               segments)
 
 
 def test_long_sequence_splits_by_default():

@@ -507,14 +507,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
       // ---- state warps: S = gamma^len S + (K * w)^T V, w_s = gamma^(len-1-s) ----------------
       const float carry = rtk_exp2(lg2 * (float)len);
-      if constexpr (DLOG) {  // W = gamma^len (W + len S), before S moves on
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          #pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) w_acc[mt][nt][e] = carry * (w_acc[mt][nt][e] + (float)len * s_acc[mt][nt][e]);
-      }
+      if constexpr (DLOG) rtk_frag_dlog_step(w_acc, s_acc, carry, len);  // before S moves on
       rtk_frag_scale(s_acc, carry);
       // k-step kk (tokens s = 16 kk ..): a[mt] = the A fragment of (k_s gamma^(len-1-s))^T for
       // m-tile mt, and for W a2[mt] of (k_s (len-1-s) gamma^(len-1-s))^T (weights 0 past len)

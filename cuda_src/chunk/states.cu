@@ -110,14 +110,7 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
     const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
     const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
     const float carry = rtk_exp2(lg2 * (float)len);
-    if constexpr (DLOG) {  // W = gamma^len (W + len S), before S moves on
-      #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) w_acc[mt][nt][e] = carry * (w_acc[mt][nt][e] + (float)len * s_acc[mt][nt][e]);
-    }
+    if constexpr (DLOG) rtk_frag_dlog_step(w_acc, s_acc, carry, len);  // before S moves on
     rtk_frag_scale(s_acc, carry);
     #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {

@@ -12,6 +12,19 @@ template <int MT, int NT> __device__ __forceinline__ void rtk_frag_scale(float (
       for (int e = 0; e < 4; ++e) x[mt][nt][e] *= f;
 }
 
+// W = dS/dlog(gamma) before the state's step S <- gamma^len S + (this chunk's keys), which it
+// differentiates: W <- gamma^len (W + len S) (the keys' own term is added with S's).
+template <int MT, int NT>
+__device__ __forceinline__ void rtk_frag_dlog_step(float (&w)[MT][NT][4], const float (&s)[MT][NT][4], float carry,
+                                                   int len) {
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) w[mt][nt][e] = carry * (w[mt][nt][e] + (float)len * s[mt][nt][e]);
+}
+
 // A warp's fp32 fragment of a state (m-tile mt: rows sr0 + MSTEP mt .. + 15, NT n-tiles of value
 // columns from v0; the chunk kernels' state warps, the decay gradient's accumulators; MSTEP 16:
 // a warp's own rows, 64: a wgmma warpgroup's, whose warp w holds rows 16 w.. of each 64): where
