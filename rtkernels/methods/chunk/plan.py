@@ -97,8 +97,8 @@ def fold_parts(seg_len: int, segments: int, tiles: int, sms: int) -> int:
     last in as many equal parts of whole chunks, at least 4 chunks each, as keep its CTAs within
     one per multiprocessor (1: one slot per segment). Why: the pass runs one CTA per tile and slot,
     and a CTA keeps its SM busy, so a pass of fewer CTAs than SMs leaves SMs idle: on an H100 the
-    dq pass with dlog(gamma) at (1, 32, 16384, 128) had 64 states CTAs (0.170 ms), 256 in parts
-    took 0.094 ms. Parts never fill more than one wave: the SMs are the bottleneck, so a second
+    dq pass with dlog(gamma) at (1, 32, 16384, 128) had 64 states CTAs (0.170 ms); in 2 parts,
+    128 CTAs took 0.095 ms (4 parts, 256 CTAs two a SM, 0.094). Parts never fill more than one wave: the SMs are the bottleneck, so a second
     CTA on an SM runs no faster (96 CTAs of the forward at that shape in 2 parts, 192 CTAs of two
     per SM: 0.138 -> 0.146 ms per pass, and each segment's CTAs then fold twice the slots)."""
     chunks = seg_len // CHUNK_KERNEL
