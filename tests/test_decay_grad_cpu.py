@@ -230,3 +230,49 @@ def test_dq_pass_instance_exists_only_where_it_fits():
     assert plan.dlog_config(torch.bfloat16, 64, False) is None
     x = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
     assert not decay_grad.dq_pass_sums(x, x, x, x, None)
+
+
+@pytest.mark.parametrize("per_seg", [1, 2, 3])
+def test_split_fold_of_w_is_the_derivative_of_the_fold(per_seg):
+    """The split dq pass's fold (cuda_src/include/state_frag.cuh, rtk_chunk_state::fold_with) in
+    fp64: from the states pass's slots (slot 0 the initial state, slot 1 the state after the first
+    slot's tokens from it, slot j > 1 tokens [(j-1) L, j L) alone from zero; W slot j their
+    derivatives by log(gamma), carried from 0 chunk by chunk as the states pass does), the state
+    entering segment z is s = slot[min(m, 1)], s = gamma^L s + slot[j] (m = z per_seg slots before
+    it), and w = W slot[1], w = gamma^L (w + L s) + W slot[j] must be d s / d log(gamma):
+    checked against autograd through the S fold for every segment, gamma = 0.9, 0.99, 1."""
+    g = torch.Generator().manual_seed(3)
+    h, dk, dv, slot_len, segments = 3, 5, 4, 96, 4
+    n = slot_len * per_seg * (segments - 1)
+    k, v = (torch.randn(h, n, d, generator=g, dtype=torch.float64) for d in (dk, dv))
+    s0 = torch.randn(h, dk, dv, generator=g, dtype=torch.float64)
+    lg = torch.log(torch.tensor([0.9, 0.99, 1.0], dtype=torch.float64)).requires_grad_()
+
+    def own(a, b, start):  # the state of tokens [a, b) from `start`, and its W from 0, chunk by chunk
+        s, w = start.clone(), torch.zeros_like(start)
+        for c0 in range(a, b, decay_grad.CHUNK):
+            ln = min(decay_grad.CHUNK, b - c0)
+            m = ln - 1 - torch.arange(ln, dtype=torch.float64)
+            e = torch.exp(lg.view(h, 1) * m)
+            kc, vc = k[:, c0:c0 + ln], v[:, c0:c0 + ln]
+            carry = torch.exp(lg * ln).view(h, 1, 1)
+            w = carry * (w + ln * s) + (kc * (m * e)[..., None]).transpose(-1, -2) @ vc
+            s = carry * s + (kc * e[..., None]).transpose(-1, -2) @ vc
+        return s, w
+
+    slots, w_slots = [s0], [torch.zeros_like(s0)]
+    for j in range(n // slot_len):
+        s, w = own(j * slot_len, (j + 1) * slot_len, s0 if j == 0 else torch.zeros_like(s0))
+        slots.append(s)
+        w_slots.append(w)
+    carry = torch.exp(lg * slot_len).view(h, 1, 1)
+    for z in range(segments):
+        m = z * per_seg
+        s, w = slots[min(m, 1)], (w_slots[1] if m >= 1 else torch.zeros_like(s0))
+        for j in range(2, m + 1):
+            s, w = carry * s + slots[j], carry * (w + slot_len * s) + w_slots[j]
+        probe = torch.randn(h, dk, dv, generator=g, dtype=torch.float64)
+        want = (torch.autograd.grad((s * probe).sum(), lg, retain_graph=True)[0] if s.requires_grad
+                else torch.zeros(h, dtype=torch.float64))  # segment 0 starts from the initial state
+        got = (w * probe).sum((-1, -2)).detach()
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-10), (z, got, want)
