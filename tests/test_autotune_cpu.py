@@ -426,3 +426,21 @@ def test_fold_parts_fill_one_wave_in_whole_chunks():
         r = fold_parts(seg_len, segs, tiles, sms)
         chunks = seg_len // CHUNK_KERNEL
         assert chunks % r == 0 and (r == 1 or (chunks // r >= 4 and tiles * (segs - 1) * r <= sms))
+
+
+def test_dlog_launch_splits_as_the_forward(monkeypatch):
+    """The dq pass with dlog(gamma): one segment while its CTAs fill half the SMs, else the forward's
+    split (segments_for, one CTA per SM), whole chunks each; Overrides.segments wins."""
+    from rtkernels.methods.chunk import Overrides, dlog_launch, plan, segments_for, split
+
+    monkeypatch.setattr(plan, "_sm_count", lambda dev: 132)
+    bf16 = torch.bfloat16
+    plan.dlog_launch.cache_clear()
+    assert dlog_launch(bf16, 128, 128, 4 * 32, 4096, 0).segments == 1  # mid: 256 CTAs
+    assert dlog_launch(bf16, 128, 128, 32, 16384, 0).segments == 2  # long: 64 CTAs -> 2 segments
+    assert dlog_launch(bf16, 128, 128, 2, 16384, 0).segments == split(16384, segments_for(4, 16384, 132, 1))[1]
+    assert dlog_launch(bf16, 64, 40, 4, 1000, 0).segments == 1  # short: never split
+    assert dlog_launch(bf16, 128, 128, 4 * 32, 4096, 0, Overrides(segments=3)).segments == 3
+    assert dlog_launch(bf16, 128, 128, 2, 65, 0, Overrides(segments=3)).segments == 2  # 65 tokens: 2 chunks
+    assert "true, true>" in dlog_launch(bf16, 128, 128, 32, 16384, 0).name  # the DLOG instance
+    plan.dlog_launch.cache_clear()
