@@ -98,9 +98,10 @@ def fold_parts(seg_len: int, segments: int, tiles: int, sms: int) -> int:
     one per multiprocessor (1: one slot per segment). Why: the pass runs one CTA per tile and slot,
     and a CTA keeps its SM busy, so a pass of fewer CTAs than SMs leaves SMs idle: on an H100 the
     dq pass with dlog(gamma) at (1, 32, 16384, 128) had 64 states CTAs (0.170 ms); in 2 parts,
-    128 CTAs took 0.095 ms (4 parts, 256 CTAs two a SM, 0.094). Parts never fill more than one wave: the SMs are the bottleneck, so a second
-    CTA on an SM runs no faster (96 CTAs of the forward at that shape in 2 parts, 192 CTAs of two
-    per SM: 0.138 -> 0.146 ms per pass, and each segment's CTAs then fold twice the slots)."""
+    128 CTAs took 0.095 ms (4 parts, 256 CTAs two a SM, 0.094). Parts never fill more than one
+    wave: the SMs are the bottleneck, so a second CTA on an SM runs no faster (96 CTAs of the
+    forward at that shape in 2 parts, 192 CTAs of two per SM: 0.138 -> 0.146 ms per pass, and each
+    segment's CTAs then fold twice the slots)."""
     chunks = seg_len // CHUNK_KERNEL
     if segments < 2:
         return 1
@@ -524,8 +525,8 @@ def _tune_check(p: Problem, config: dict, limits: Limits) -> Optional[str]:
     need = f32_smem_bytes(kmax, bv, 1) if f32 else smem_bytes(kmax, bv, wg)  # fp32: one stage at least
     if need > limits.max_smem:
         return f"needs {need} B of shared memory, the GPU gives {limits.max_smem}"
-    seg_len = -(-p.n // (nseg * CHUNK_KERNEL)) * CHUNK_KERNEL
-    if nseg > 1 and -(-p.n // seg_len) != nseg:
+    seg_len, got = split(p.n, nseg)
+    if nseg > 1 and got != nseg:
         return f"N = {p.n} gives fewer than {nseg} segments"
     if nseg > 1 and seg_len < 4 * CHUNK_KERNEL:
         return "segments shorter than 4 chunks"
