@@ -12,6 +12,7 @@ import torch
 
 import rtkernels
 from rtkernels import ops
+from graphs import capture
 from reference import reference
 from test_compile_op_cpu import Model, _inputs, _reference_attention, _run
 from tolerances import assert_close
@@ -93,15 +94,8 @@ def test_cuda_graph_capture_of_forward_and_backward(dtype, layout):
         loss = (out.float() * grad_out.float()).sum() + (state * grad_state).sum()
         return (out, state, *torch.autograd.grad(loss, leaves))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up: compiles, plans and caches outside the capture
-        for _ in range(2):
-            step(ops.causal_linear_attention, leaves)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step(ops.causal_linear_attention, leaves)
+    # two warm-ups: compile, plan and cache outside the capture
+    graph, captured = capture(lambda: step(ops.causal_linear_attention, leaves), warmup=2)
     for seed in (1, 2):
         g.manual_seed(seed)
         with torch.no_grad():

@@ -13,6 +13,7 @@ import torch
 
 import rtkernels
 from fp64_models import decode_step as fp64_step
+from graphs import capture
 from reference import reference
 from tolerances import assert_close
 from inputs import run_without_host_sync
@@ -206,14 +207,7 @@ def test_cuda_graph_replays_a_step(dtype):
     gamma = torch.tensor([0.5, 0.9, 0.99, 0.999], device="cuda")
     start = pool.clone()
     rtkernels.decode(q, k, v, pool, gamma, state_indices=idx)  # compile first
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        rtkernels.decode(q, k, v, pool, gamma, state_indices=idx)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = rtkernels.decode(q, k, v, pool, gamma, state_indices=idx)
+    graph, out = capture(lambda: rtkernels.decode(q, k, v, pool, gamma, state_indices=idx))
     for seed in (1, 2):
         nq, nk, nv, _ = inputs(b, h, t, d, d, dtype, slots, seed=seed)
         for x, new in ((q, nq), (k, nk), (v, nv)):

@@ -14,6 +14,7 @@ import rtkernels
 from rtkernels import call_cache
 from rtkernels.methods import METHODS
 
+from graphs import capture
 from reference import reference
 from tolerances import assert_close
 
@@ -200,14 +201,7 @@ def test_cuda_graph_capture_with_a_device_decay(dtype):
     q, k, v = _qkv(2, 4, 1024, 128, 128, dtype)
     gamma = torch.tensor([0.5, 0.9, 0.99, 0.999], device="cuda")
     rtkernels.causal_linear_attention(q, k, v, gamma, method="chunk")  # compile and plan first
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        rtkernels.causal_linear_attention(q, k, v, gamma, method="chunk")
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = rtkernels.causal_linear_attention(q, k, v, gamma, method="chunk")
+    graph, out = capture(lambda: rtkernels.causal_linear_attention(q, k, v, gamma, method="chunk"))
     for values in ([0.8, 0.95, 0.999, 1.0], [0.99, 0.9, 0.5, 0.1]):
         gamma.copy_(torch.tensor(values))
         q.copy_(torch.randn_like(q))

@@ -7,15 +7,11 @@ decay's gradient on the device; ``examples/tiny_lm.py --smoke --device cuda``.""
 from __future__ import annotations
 
 import contextlib
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from test_nn_cpu import DIM, H, REPO, inputs, make_layer, model_fp64
+from test_nn_cpu import DIM, H, check_tiny_lm_smoke, inputs, make_layer, model_fp64
 from tolerances import assert_close
 from inputs import no_host_sync
 
@@ -110,11 +106,4 @@ def test_trainable_decay_gradient_on_the_device():
 
 
 def test_tiny_lm_smoke_on_cuda():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    res = subprocess.run([sys.executable, str(REPO / "examples" / "tiny_lm.py"), "--smoke", "--device", "cuda"],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    m = re.search(r"first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)", res.stdout)
-    assert m, res.stdout
-    assert float(m.group(2)) < float(m.group(1)) - 0.5, m.group(0)
-    assert "generation check passed" in res.stdout
+    check_tiny_lm_smoke("cuda", timeout=600)

@@ -23,6 +23,7 @@ from rtkernels import normalize_op
 from rtkernels.methods import METHODS
 from rtkernels.normalized import _unit_keys
 
+from graphs import capture
 from test_normalized_cpu import normalized_loop
 from tolerances import assert_close, assert_close_to_magnitude
 from inputs import run_without_host_sync
@@ -303,14 +304,7 @@ def test_cuda_graph_replay_equals_eager(feature):
 
     with torch.no_grad():
         call()  # compile and plan outside the capture
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            call()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = call()
+        graph, out = capture(call)
         ins[0].copy_(k)  # new values (positive features still), same memory
         ins[1].copy_(q)
         ins[2].copy_(v.flip(2))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import rtkernels
+from graphs import capture
 from reference import reference
 from tolerances import assert_close
 from inputs import run_without_host_sync
@@ -142,14 +143,7 @@ def test_cuda_graph_capture_replays_equal_to_eager():
     """Captured once; replayed after new q and new offsets (same S) are copied in: equal to eager."""
     q, k, v, s0, gamma = packed(torch.bfloat16)
     cu = offsets(LENS)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        varlen(q, k, v, s0, gamma, "bhnd", cu)  # warm-up on a side stream, as capture requires
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, state = varlen(q, k, v, s0, gamma, "bhnd", cu)
+    graph, (out, state) = capture(lambda: varlen(q, k, v, s0, gamma, "bhnd", cu))
     for lens in (LENS, (2000, 0, 1, 63, 64, 65, 0, 0), (N - 7, 7, 0, 0, 0, 0, 0, 0)):
         cu.copy_(offsets(lens))
         q.copy_(torch.randn_like(q))
@@ -346,14 +340,7 @@ def test_kernel_path_cuda_graph_replays_equal_to_eager(kernel_path, dtype):
     cu = offsets(KLENS)
     call = lambda: rtkernels.causal_linear_attention(q, k, v, gamma, scale=SCALE, initial_state=s0,  # noqa: E731
                                                      return_state=True, cu_seqlens=cu)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, state = call()
+    graph, (out, state) = capture(call)
     for lens in (KLENS, (2000, 0, 1, 63, 64, 65), (KN - 7, 7, 0, 0, 0, 0)):
         cu.copy_(offsets(lens))
         q.copy_(torch.randn_like(q) * 37 ** -0.5)
@@ -378,14 +365,7 @@ def test_kernel_path_backward_captured_in_a_cuda_graph(kernel_path):
                                                        cu_seqlens=cu)
         return torch.autograd.grad(out.float().sum() + (state * state).sum(), leaves)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture(step)
     cu.copy_(offsets((2000, 0, 1, 63, 64, 65)))
     graph.replay()
     torch.cuda.synchronize()

@@ -261,13 +261,18 @@ def test_nn_imports_only_the_public_modules_and_nothing_imports_it():
 
 # ------------------------------------------------------------------------------------------ example
 
-def test_tiny_lm_smoke():
+def check_tiny_lm_smoke(device: str, timeout: float) -> None:
+    """``examples/tiny_lm.py --smoke`` on ``device`` learns and generates; also used by test_gpu_nn.py."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    res = subprocess.run([sys.executable, str(REPO / "examples" / "tiny_lm.py"), "--smoke", "--device", "cpu"],
-                         capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    res = subprocess.run([sys.executable, str(REPO / "examples" / "tiny_lm.py"), "--smoke", "--device", device],
+                         capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     m = re.search(r"first \d+ steps ([\d.]+) -> last \d+ steps ([\d.]+)", res.stdout)
     assert m, res.stdout
     first, last = float(m.group(1)), float(m.group(2))
     assert last < first - 0.5, (first, last)
     assert "generation check passed" in res.stdout
+
+
+def test_tiny_lm_smoke():
+    check_tiny_lm_smoke("cpu", timeout=120)
