@@ -242,8 +242,7 @@ def _cached_with_grad(hit: call_cache.CachedCall, q: torch.Tensor, k: torch.Tens
         log_decay = LogDecay(hit.device, raw=decay.detach(), kind=g.decay_kind)
         if decay.requires_grad:
             log_decay.source, log_decay.source_kind = decay, g.decay_kind
-    out = torch.empty_like(v) if hit.like_v else torch.empty(hit.out_shape, dtype=hit.dtype, device=hit.device)
-    out, state = attention_with_grad(g.method, q, k, v, log_decay, g.scale, out, "bnhd" if g.bnhd else "bhnd",
+    out, state = attention_with_grad(g.method, q, k, v, log_decay, g.scale, None, "bnhd" if g.bnhd else "bhnd",
                                      initial_state, g.return_state, g.fp32_precision, hit.launcher)
     return (out, state) if g.return_state else out
 
@@ -433,7 +432,8 @@ def causal_linear_attention(
                 launcher = m.kernel_prepare(qt, kt, vt, log_decay, scale, out_view, return_state,
                                             fp32_precision=fp32_precision)
             given = (qt, kt, vt) if layout == "bhnd" else (t.transpose(1, 2) for t in (qt, kt, vt))
-            out, state = attention_with_grad(name, *given, log_decay, scale, out, layout, s0, return_state,
+            # a new output from the Function (``out`` above was the plan's template, contiguous alike)
+            out, state = attention_with_grad(name, *given, log_decay, scale, None, layout, s0, return_state,
                                              fp32_precision, launcher)
             if launcher is not None:
                 device_decay = log_decay.raw is not None

@@ -79,7 +79,6 @@ head's sum).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -269,26 +268,27 @@ def backward_impl(q: torch.Tensor, v: torch.Tensor) -> BackwardImpl:
     return next(fn for supports, fn in BACKWARD_IMPLS if supports(q, v))
 
 
-@dataclass(frozen=True)
 class _Call:
-    """The non-tensor arguments of one call."""
+    """The non-tensor arguments of one call: the method, the decay, scale, layout (``bnhd``), the
+    state flag, the float32 mode of a ``chunk`` kernel forward ("exact" or "tf32", ignored
+    elsewhere) and a planned kernel launch for the forward (the cached call's), else None
+    (``method`` runs). A plain slotted class: one is built per call with autograd history, and a
+    frozen dataclass's ``__init__`` costs a microsecond more."""
 
-    method: str
-    log_decay: LogDecay
-    scale: float
-    bnhd: bool
-    return_state: bool
-    #: "exact" or "tf32": the mode of a float32 ``chunk`` kernel forward (ignored elsewhere).
-    fp32_precision: str = "exact"
-    #: a planned kernel launch for the forward (the cached call's), else None: ``method`` runs
-    launcher: Any = None
+    __slots__ = ("method", "log_decay", "scale", "bnhd", "return_state", "fp32_precision", "launcher")
+
+    def __init__(self, method: str, log_decay: LogDecay, scale: float, bnhd: bool, return_state: bool,
+                 fp32_precision: str = "exact", launcher: Any = None):
+        self.method, self.log_decay, self.scale, self.bnhd = method, log_decay, scale, bnhd
+        self.return_state, self.fp32_precision, self.launcher = return_state, fp32_precision, launcher
 
 
 class CausalLinearAttentionFunction(torch.autograd.Function):
     """``(call, q, k, v, log_decay_source, initial_state, out) -> out`` or ``(out, final_state)``.
 
-    q, k, v and ``out`` (the empty output, filled in place and returned, marked dirty) are in the
-    caller's layout (``call.bnhd``): the ``[B, H, N, D]`` views are taken inside, where autograd
+    q, k, v and the output are in the caller's layout (``call.bnhd``); ``out`` None: the forward
+    allocates the output (contiguous in that layout, the cheaper call), else ``out`` is the empty
+    output, filled in place, returned and marked dirty. The ``[B, H, N, D]`` views are taken inside, where autograd
     does not record them (a recorded view of a tensor that requires grad costs microseconds of
     host time per call). ``log_decay_source`` is :attr:`LogDecay.source` or None. Gradients are not
     materialised: a returned state the loss does not use reaches the backward as None (no G terms),
@@ -299,11 +299,15 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 log_decay_source: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
-                out: torch.Tensor):
+                out: Optional[torch.Tensor]):
         ctx.save_for_backward(q, k, v, initial_state)
         ctx.call = call
         ctx.set_materialize_grads(False)  # a returned state the loss does not use adds no G terms
         ctx.source_meta = None if log_decay_source is None else (log_decay_source.device, log_decay_source.dtype)
+        if out is None:
+            out = torch.empty_like(v, memory_format=torch.contiguous_format)
+        else:  # the caller's tensor, written in place (an input autograd must version)
+            ctx.mark_dirty(out)
         if call.launcher is not None:  # planned on these strides, any layout (it reads the pointers); a CUDA
             state = call.launcher(q, k, v, out, initial_state, call.log_decay.raw)  # decay tensor as it is
         else:
@@ -312,7 +316,6 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
                 q, k, v, out_view = (t.transpose(1, 2) for t in (q, k, v, out))
             state = run_method(call.method, q, k, v, call.log_decay, call.scale, out_view, initial_state,
                                call.return_state, fp32_precision=call.fp32_precision)
-        ctx.mark_dirty(out)
         return (out, state) if call.return_state else out
 
     @staticmethod
@@ -383,14 +386,44 @@ def needs_grad(kind: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return True
 
 
+def _direct_apply(fn: type) -> Callable[..., Any]:
+    """``fn.apply`` without torch's Python wrapper around it, where this torch has the C entry
+    point: the wrapper looks for a ``setup_context`` and unwraps dead functorch wrappers from every
+    argument, a few microseconds of each call with autograd history. Under a functorch transform,
+    or in a torch without the entry point, ``fn.apply`` itself; the tensors that may be dead
+    wrappers (no storage check has seen them: the decay source and the initial state) are
+    unwrapped here."""
+    base = getattr(torch._C, "_FunctionBase", None)
+    raw = None if base is None else base.__dict__.get("apply")
+    unwrap = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+    if raw is None or unwrap is None or "setup_context" in fn.__dict__:
+        return fn.apply
+    bound = raw.__get__(None, fn)
+    transforms_active = torch._C._are_functorch_transforms_active
+
+    def apply(call: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, source: Optional[torch.Tensor],
+              s0: Optional[torch.Tensor], out: Optional[torch.Tensor]) -> Any:
+        if transforms_active():
+            return fn.apply(call, q, k, v, source, s0, out)
+        return bound(call, q, k, v, source if source is None else unwrap(source), s0 if s0 is None else unwrap(s0),
+                     out)
+
+    return apply
+
+
+_apply_attention = _direct_apply(CausalLinearAttentionFunction)
+
+
 def attention_with_grad(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay,
-                        scale: float, out: torch.Tensor, layout: str, initial_state: Optional[torch.Tensor],
+                        scale: float, out: Optional[torch.Tensor], layout: str, initial_state: Optional[torch.Tensor],
                         return_state: bool, fp32_precision: str = "exact", launcher: Any = None
                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Run ``method`` (a name of ``METHODS``) on q, k, v in ``layout`` into ``out`` (the empty
-    output in ``layout``) with autograd history: ``(out, final_state or None)``.
-    ``fp32_precision`` is the forward's float32 mode, as for :func:`rtkernels.methods.run_method`;
-    ``launcher``: a planned kernel launch of ``method`` for these inputs (the forward runs it)."""
+    """Run ``method`` (a name of ``METHODS``) on q, k, v in ``layout`` with autograd history:
+    ``(out, final_state or None)``. ``out``: the empty output in ``layout``, filled in place, or
+    None: a new output, contiguous in ``layout`` (the cheaper call: autograd does not version an
+    input written in place). ``fp32_precision`` is the forward's float32 mode, as for
+    :func:`rtkernels.methods.run_method`; ``launcher``: a planned kernel launch of ``method`` for
+    these inputs and a contiguous output (the forward runs it)."""
     call = _Call(method, log_decay, scale, layout == "bnhd", return_state, fp32_precision, launcher)
-    res = CausalLinearAttentionFunction.apply(call, q, k, v, log_decay.source, initial_state, out)
+    res = _apply_attention(call, q, k, v, log_decay.source, initial_state, out)
     return res if return_state else (res, None)

@@ -389,3 +389,32 @@ def test_nan_reaches_exactly_its_gradient_rows(method, which, pos, gamma):
         assert torch.isfinite(g[~want[name]]).all()
         assert_close(g[~want[name]], r[~want[name]], torch.float32, f"d{name} where the NaN does not reach", n=N)
     assert torch.isnan(got[4][0]) and torch.isfinite(got[4][1]), "the decay gradient of the NaN's head only"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_output_given_or_allocated_by_the_function(layout):
+    """attention_with_grad with ``out`` None (the API's call: the Function allocates the output,
+    contiguous in the layout) and with an empty output given (filled in place, returned, marked
+    dirty): the same values and gradients. The Function is applied through the C entry point where
+    this torch has it (the cached call's host time), and that gives the same graph."""
+    q, k, v, s0 = problem(11, 2, 3, 37, 5, 7, F64, layout)
+    w, ws = weights(12, v.shape, s0.shape, F64, F64)
+    gamma = torch.tensor([0.5, 0.9, 0.99], dtype=F64)
+    log_decay = rtkernels.decay.LogDecay(q.device, host=tuple(torch.log(gamma).tolist()))
+
+    def run(out_given: bool):
+        def fn(q, k, v, s0):
+            out = torch.empty_like(v) if out_given else None
+            res, state = rk_autograd.attention_with_grad("chunk", q, k, v, log_decay, 0.5, out, layout, s0, True)
+            assert out is None or res is out
+            assert res.is_contiguous() and res.shape == v.shape
+            return res, state
+        return fn
+
+    ins = leaves(q, k, v, s0)
+    given, allocated = (grads_of(run(flag), ins, w, ws) for flag in (True, False))
+    expect = grads_of(referenced("decay", layout, 0.5), leaves(q, k, v, s0, gamma), w, ws)[:4]
+    for a, b, e in zip(given, allocated, expect):
+        assert torch.equal(a, b)
+        assert_close(a, e, F64, "gradient", 37)
+    assert rk_autograd._apply_attention is not rk_autograd.CausalLinearAttentionFunction.apply
