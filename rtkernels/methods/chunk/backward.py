@@ -77,7 +77,7 @@ from ...jit.dtypes import compute_dtype
 from .._torch_common import decay_powers, run_torch_path
 from . import launch, plan
 from .plan import current_overrides
-from .decay_grad import dq_pass_partials, dq_pass_sums, kernel_log_decay_grad, sum_partials
+from .decay_grad import PartialSums, dq_pass_sums, kernel_log_decay_grad
 from .torch_path import torch_forward
 
 __all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "gradient_passes", "kernel_backward", "clear_plans", "supports",
@@ -174,16 +174,17 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
 
 class _PlannedBackward(NamedTuple):
     """A backward repeated with new tensors (:func:`kernel_backward`'s plan): the launches of
-    :func:`gradient_passes`' three passes, in its order, and whether the dq pass sums dlog(gamma)."""
+    :func:`gradient_passes`' three passes, in its order, and where the dq pass sums dlog(gamma),
+    its partial sums' buffer shape and sum launch (else None)."""
 
     passes: tuple[Callable[..., Optional[torch.Tensor]], ...]
-    fused: bool
+    sums: Optional[PartialSums]
 
-    def replay(self, log_decay: LogDecay) -> Callable[..., Optional[torch.Tensor]]:
+    def replay(self, decay: int) -> Callable[..., Optional[torch.Tensor]]:
         """A ``run`` for :func:`gradient_passes` that calls the planned launches in turn with the
-        new tensors' pointers (the launches read only ``data_ptr()``; ``out``'s alignment never
-        shaped them)."""
-        passes, decay = iter(self.passes), log_decay.kernel_arg()[0]
+        new tensors' pointers and the decay's address ``decay`` (the launches read only
+        ``data_ptr()``; ``out``'s alignment never shaped them)."""
+        passes = iter(self.passes)
 
         def run(q, k, v, log_decay_, scale, out, initial_state, need_state, reverse, dlog=None):
             extra = {} if dlog is None else {"dlog": (dlog[0].data_ptr(), dlog[1].data_ptr())}
@@ -231,11 +232,12 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     n = q.shape[2]
     planning = None  # the launches of a call that is being planned
     if planned is not None:
-        on_kernel, fused, run = True, planned.fused, planned.replay(log_decay)
+        on_kernel, sums, run = True, planned.sums, planned.replay(log_decay.kernel_arg()[0])
     else:
         on_kernel = kernel_runs(q, k, v, grad_out)
         # dlog(gamma) inside the dq pass where it can (decay_grad's docstring), else its own kernel below
         fused = need_decay_grad and on_kernel and dq_pass_sums(q, k, v, grad_out, grad_state)
+        sums = PartialSums(q, v, log_decay) if fused else None
         if key is not None and on_kernel and (fused or not need_decay_grad) and all(
                 x.stride(-1) == 1 for x in (q, k, v, grad_out)):  # every pass a kernel_forward launch
             planning = []
@@ -247,7 +249,7 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
             return forward_pass(q_, k_, v_, log_decay_, scale_, out, initial_state_, need_state, reverse,
                                 fp32_precision, on_kernel, dlog)
 
-    partials = dq_pass_partials(q, v) if fused else None
+    partials = None if sums is None else sums.buffer()
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
                                            need_state_grad, q.dtype if on_kernel else cdt, partials)
     if grad_state is not None:
@@ -257,8 +259,8 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
         if need_state_grad:
             d_s0 += torch.exp(lg * n).view(-1, 1, 1) * g_state
     d_log, of_source = None, False
-    if fused:
-        d_log, of_source = sum_partials(partials, log_decay, True), True
+    if sums is not None:
+        d_log, of_source = sums.total(partials, log_decay.kernel_arg()[0]), True
     elif need_decay_grad:
         if on_kernel and q.dtype != torch.float32:  # the sum kernel applies the decay's chain rule too
             d_log, of_source = kernel_log_decay_grad(q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
@@ -268,7 +270,7 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     if planning is not None:
         if len(_plans) >= _PLANS_MAX:
             _plans.clear()
-        _plans[key] = _PlannedBackward(tuple(planning), fused)
+        _plans[key] = _PlannedBackward(tuple(planning), sums)
     return Grads(dq, dk, dv, d_s0, d_log, of_source)
 
 

@@ -71,7 +71,8 @@ from .._launch import fwd_tail, unit_stride
 from .plan import _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config, dlog_launch
 
 __all__ = ["SOURCE", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "all_configs", "name_expression", "smem_bytes",
-           "kernel_log_decay_grad", "dq_pass_sums", "dq_pass_partials", "sum_partials", "torch_w_recurrence"]
+           "kernel_log_decay_grad", "dq_pass_sums", "dq_pass_partials", "sum_partials", "PartialSums",
+           "torch_w_recurrence"]
 
 SOURCE = "chunk/decay_grad.cu"
 #: The kernel that sums the partial sums per head (and applies the decay's chain rule).
@@ -147,19 +148,55 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     return sum_partials(partial, log_decay, for_source)
 
 
+def _sum_launch(shape: tuple[int, int, int], log_decay: LogDecay, for_source: bool
+                ) -> tuple[tuple[int, int, int], tuple[int, int, int], tuple[int, int, int]]:
+    """(grid, block, struct) of ``rtk_chunk_decay_grad_sum`` over ``[rows, tiles, H]`` partial sums:
+    one thread per head; the decay mode without its kind (the sum alone, the decay never read)
+    unless ``for_source``."""
+    rows, tiles, h = shape
+    mode = log_decay.kernel_arg()[1]
+    if not for_source:
+        mode &= ~(3 << 2)
+    return (-(-h // 128), 1, 1), (128, 1, 1), (rows * tiles, h, mode)
+
+
 def sum_partials(partial: torch.Tensor, log_decay: LogDecay, for_source: bool) -> torch.Tensor:
     """``[H]`` float32: the ``[rows, tiles, H]`` float32 partial sums added per head, in a fixed
     order, in fp64 (``rtk_chunk_decay_grad_sum``); with ``for_source`` and a CUDA decay tensor of
     factors or rates, times the decay's chain rule (dL/d(the caller's tensor)). One launch."""
-    rows, tiles, h = partial.shape
     dev = partial.device.index
-    decay, mode = log_decay.kernel_arg()
-    out = torch.empty(h, dtype=torch.float32, device=partial.device)
-    if not for_source:  # the log kind: the sum alone, the decay argument never read
-        mode &= ~(3 << 2)
-    launch(get_function(SUM_SOURCE, SUM_KERNEL, dev), (-(-h // 128), 1, 1), (128, 1, 1),
-           (partial.data_ptr(), out.data_ptr(), decay, rows * tiles, h, mode), dev, pointers=3)
+    grid, block, tail = _sum_launch(tuple(partial.shape), log_decay, for_source)
+    out = torch.empty(partial.shape[2], dtype=torch.float32, device=partial.device)
+    launch(get_function(SUM_SOURCE, SUM_KERNEL, dev), grid, block,
+           (partial.data_ptr(), out.data_ptr(), log_decay.kernel_arg()[0], *tail), dev, pointers=3)
     return out
+
+
+class PartialSums:
+    """The dq pass's partial sums of dlog(gamma) for ``[B, H, N, D]`` inputs like q and v and a
+    decay like ``log_decay`` (its dtype, kind and stride), planned once: the buffer's shape
+    (:func:`dq_pass_partials`) and the sum kernel's launch, bound (:func:`sum_partials` with
+    ``for_source``). A planned backward keeps one, so that a trainable decay's step adds an
+    allocation and one bound launch to the fixed decay's host time."""
+
+    __slots__ = ("shape", "device", "_sum")
+
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, log_decay: LogDecay):
+        dev = q.device.index
+        self.shape, self.device = _partials_shape(q, v), q.device
+        grid, block, tail = _sum_launch(self.shape, log_decay, True)
+        self._sum = get_function(SUM_SOURCE, SUM_KERNEL, dev).bind(grid, block, 0, dev, 3, tail)
+
+    def buffer(self) -> torch.Tensor:
+        """An empty ``[segments * B, Dk / 64, H]`` float32 buffer for the dq pass to write."""
+        return torch.empty(self.shape, dtype=torch.float32, device=self.device)
+
+    def total(self, partial: torch.Tensor, decay_ptr: int) -> torch.Tensor:
+        """dL/d(the decay tensor), ``[H]`` float32, from ``partial`` (:meth:`buffer`, written) and the
+        decay's address (:meth:`LogDecay.kernel_arg`)."""
+        out = torch.empty(self.shape[2], dtype=torch.float32, device=self.device)
+        self._sum(partial.data_ptr(), out.data_ptr(), decay_ptr)
+        return out
 
 
 def dq_pass_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
@@ -175,12 +212,16 @@ def dq_pass_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: to
             and _wgmma_ok(q.device.index, current_overrides()))
 
 
+def _partials_shape(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
+    b, h, n, dk = q.shape
+    segments = dlog_launch(q.dtype, v.shape[-1], dk, b * h, n, q.device.index, current_overrides()).segments
+    return segments * b, -(-dk // 64), h
+
+
 def dq_pass_partials(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The ``[segments * B, tiles, H]`` float32 buffer the dq pass writes its partial sums into
     (tiles of 64 columns of Dk; the pass's sequence segments, :func:`.plan.dlog_launch`)."""
-    b, h, n, dk = q.shape
-    segments = dlog_launch(q.dtype, v.shape[-1], dk, b * h, n, q.device.index, current_overrides()).segments
-    return torch.empty(segments * b, -(-dk // 64), h, dtype=torch.float32, device=q.device)
+    return torch.empty(_partials_shape(q, v), dtype=torch.float32, device=q.device)
 
 
 def torch_w_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, scale: float,
