@@ -27,6 +27,19 @@ struct rtk_scan_shape {
   float* partial;
 };
 
+// f(u, e, tt, cc) for each element e = tid + u * NT (u < PER) that a thread takes of a token
+// group's tile of W columns, row-major: token tt = e / W, column cc. q and k go through one call:
+// their loads and stores stay interleaved (split, ptxas allocated differently and spilled in places).
+template <int W, int NT, int PER, class F>
+__device__ __forceinline__ void rtk_scan_share(int tid, F f) {
+  #pragma unroll
+  for (int u = 0; u < PER; ++u) {
+    const int e = tid + u * NT;
+    const int tt = e / W;
+    f(u, e, tt, e - tt * W);
+  }
+}
+
 template <int DT, int KMAX, int BV, int T, int NT>
 __global__ void __launch_bounds__(NT)
 rtk_scan_fwd(RTK_FWD_POINTERS(typename rtk_io<DT>::T), const __grid_constant__ rtk_scan_shape p) {
@@ -75,42 +88,28 @@ rtk_scan_fwd(RTK_FWD_POINTERS(typename rtk_io<DT>::T), const __grid_constant__ r
   // Register prefetch of one token group: q, k (T x KMAX each) and v (T x BV).
   float pq[QK_PER_THREAD], pk[QK_PER_THREAD], pv[V_PER_THREAD];
   auto fetch = [&](int n0) {
-    #pragma unroll
-    for (int u = 0; u < QK_PER_THREAD; ++u) {
-      const int e = tid + u * NT;
-      const int tt = e / KMAX, kk = e - tt * KMAX;
+    rtk_scan_share<KMAX, NT, QK_PER_THREAD>(tid, [&](int u, int e, int tt, int kk) {
       const rtk_i64 n = (rtk_i64)n0 + tt;
       const bool ok = e < QK_ELEMS && n < N && r0 + kk < Dk;
       pq[u] = ok ? io::load(qb + n * q_sn + r0 + kk) : 0.f;
       pk[u] = ok ? io::load(kb + n * k_sn + r0 + kk) : 0.f;
-    }
-    #pragma unroll
-    for (int u = 0; u < V_PER_THREAD; ++u) {
-      const int e = tid + u * NT;
-      const int tt = e / BV, cc = e - tt * BV;
+    });
+    rtk_scan_share<BV, NT, V_PER_THREAD>(tid, [&](int u, int e, int tt, int cc) {
       const rtk_i64 n = (rtk_i64)n0 + tt;
       const bool ok = e < V_ELEMS && n < N && v0 + cc < Dv;
       pv[u] = ok ? io::load(vb + n * v_sn + v0 + cc) : 0.f;
-    }
+    });
   };
   auto stage = [&]() {
-    #pragma unroll
-    for (int u = 0; u < QK_PER_THREAD; ++u) {
-      const int e = tid + u * NT;
+    rtk_scan_share<KMAX, NT, QK_PER_THREAD>(tid, [&](int u, int e, int tt, int kk) {
       if (e < QK_ELEMS) {
-        const int tt = e / KMAX, kk = e - tt * KMAX;
         sq[tt][kk] = pq[u];
         sk[tt][kk] = pk[u];
       }
-    }
-    #pragma unroll
-    for (int u = 0; u < V_PER_THREAD; ++u) {
-      const int e = tid + u * NT;
-      if (e < V_ELEMS) {
-        const int tt = e / BV, cc = e - tt * BV;
-        sv[tt][cc] = pv[u];
-      }
-    }
+    });
+    rtk_scan_share<BV, NT, V_PER_THREAD>(tid, [&](int u, int e, int tt, int cc) {
+      if (e < V_ELEMS) sv[tt][cc] = pv[u];
+    });
   };
 
   fetch(0);

@@ -19,6 +19,19 @@
   const ELEM* __restrict__ q, const ELEM* __restrict__ z, ELEM* __restrict__ dnum,          \
   ELEM* __restrict__ dq, ELEM* __restrict__ dz, float* __restrict__ dden
 
+// dst = sd * src over the kq chunks of the row (each value rounded once): dq from z, dz from q.
+template <class C>
+__device__ __forceinline__ void rtk_norm_scale_row(typename C::T* dst, const typename C::T* src, float sd,
+                                                   const rtk_norm_row& w) {
+  for (int c = w.valid ? w.lt : w.kq; c < w.kq; c += w.team) {
+    float x[C::E];
+    C::load(src + c * C::E, x);
+    #pragma unroll
+    for (int e = 0; e < C::E; ++e) x[e] *= sd;
+    C::store(dst + c * C::E, x);
+  }
+}
+
 // den, grad_den and dden are contiguous [B, H, N]; the other operands have their strides in p.
 template <int DT, bool V16, bool ONEPQK>
 __global__ void __launch_bounds__(RTK_NORM_THREADS)
@@ -26,9 +39,7 @@ rtk_normalize_bwd(RTK_NORM_BWD_POINTERS(typename rtk_io<DT>::T), const __grid_co
   typedef rtk_chunk<DT, V16> C;
   typedef typename rtk_io<DT>::T T;
   constexpr int E = C::E;
-  const int team = (int)p.team, lt = threadIdx.x % team;
-  const rtk_norm_row w = rtk_norm_locate(p);
-  const int kq = (int)(p.Dk / E), kv = (int)(p.Dv / E);
+  const rtk_norm_row w = rtk_norm_locate<E>(p);
   const T* gr = grad + rtk_norm_at(w, p.d_sb, p.d_sh, p.d_sn);
   const T* nr = num + rtk_norm_at(w, p.n_sb, p.n_sh, p.n_sn);
   const T* ur = ONEPQK ? u + rtk_norm_at(w, p.u_sb, p.u_sh, p.u_sn) : nullptr;
@@ -36,7 +47,7 @@ rtk_normalize_bwd(RTK_NORM_BWD_POINTERS(typename rtk_io<DT>::T), const __grid_co
   const float d = w.valid ? den[w.r] + (float)p.eps : 1.f;
 
   float t = 0.f;
-  for (int c = w.valid ? lt : kv; c < kv; c += team) {
+  for (int c = w.valid ? w.lt : w.kv; c < w.kv; c += w.team) {
     float x[E], s[E], b[E];
     C::load(gr + c * E, x);
     C::load(nr + c * E, s);
@@ -49,32 +60,16 @@ rtk_normalize_bwd(RTK_NORM_BWD_POINTERS(typename rtk_io<DT>::T), const __grid_co
     }
     C::store(dnr + c * E, x);
   }
-  t = rtk_team_sum(t, team);
+  t = rtk_team_sum(t, w.team);
   float dd = -((t / d) / d);
   if (grad_den != nullptr && w.valid) dd += grad_den[w.r];
-  if (dden != nullptr && w.valid && lt == 0) dden[w.r] = dd;
+  if (dden != nullptr && w.valid && w.lt == 0) dden[w.r] = dd;
   const float sd = dd * (float)p.scale;
 
-  if (dq != nullptr) {
-    const T* zr = z + rtk_norm_at(w, p.z_sb, p.z_sh, p.z_sn);
-    T* dqr = dq + rtk_norm_at(w, p.x_sb, p.x_sh, p.x_sn);
-    for (int c = w.valid ? lt : kq; c < kq; c += team) {
-      float x[E];
-      C::load(zr + c * E, x);
-      #pragma unroll
-      for (int e = 0; e < E; ++e) x[e] *= sd;
-      C::store(dqr + c * E, x);
-    }
-  }
-  if (dz != nullptr) {
-    const T* qr = q + rtk_norm_at(w, p.q_sb, p.q_sh, p.q_sn);
-    T* dzr = dz + rtk_norm_at(w, p.x_sb, p.x_sh, p.x_sn);
-    for (int c = w.valid ? lt : kq; c < kq; c += team) {
-      float x[E];
-      C::load(qr + c * E, x);
-      #pragma unroll
-      for (int e = 0; e < E; ++e) x[e] *= sd;
-      C::store(dzr + c * E, x);
-    }
-  }
+  if (dq != nullptr)
+    rtk_norm_scale_row<C>(dq + rtk_norm_at(w, p.x_sb, p.x_sh, p.x_sn), z + rtk_norm_at(w, p.z_sb, p.z_sh, p.z_sn),
+                          sd, w);
+  if (dz != nullptr)
+    rtk_norm_scale_row<C>(dz + rtk_norm_at(w, p.x_sb, p.x_sh, p.x_sn), q + rtk_norm_at(w, p.q_sb, p.q_sh, p.q_sn),
+                          sd, w);
 }

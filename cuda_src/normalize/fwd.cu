@@ -22,9 +22,7 @@ rtk_normalize_fwd(RTK_NORM_FWD_POINTERS(typename rtk_io<DT>::T), const __grid_co
   typedef rtk_chunk<DT, V16> C;
   typedef typename rtk_io<DT>::T T;
   constexpr int E = C::E;
-  const int team = (int)p.team, lt = threadIdx.x % team;
-  const rtk_norm_row w = rtk_norm_locate(p);
-  const int kq = (int)(p.Dk / E), kv = (int)(p.Dv / E);
+  const rtk_norm_row w = rtk_norm_locate<E>(p);
   const T* qr = q + rtk_norm_at(w, p.q_sb, p.q_sh, p.q_sn);
   const T* zr = z + rtk_norm_at(w, p.z_sb, p.z_sh, p.z_sn);
   const T* nr = num + rtk_norm_at(w, p.n_sb, p.n_sh, p.n_sn);
@@ -34,31 +32,31 @@ rtk_normalize_fwd(RTK_NORM_FWD_POINTERS(typename rtk_io<DT>::T), const __grid_co
   // The first numerator chunk is loaded before the dot, so that its latency overlaps the
   // q and z loads and the team's reduction.
   float a0[E], u0[E];
-  const bool first = w.valid && lt < kv;
+  const bool first = w.valid && w.lt < w.kv;
   if (first) {
-    C::load(nr + lt * E, a0);
-    if constexpr (ONEPQK) C::load(ur + lt * E, u0);
+    C::load(nr + w.lt * E, a0);
+    if constexpr (ONEPQK) C::load(ur + w.lt * E, u0);
   }
   float gi = 0.f;
   if (ONEPQK && w.valid) gi = g[rtk_norm_at(w, p.g_sb, p.g_sh, p.g_sn)];
 
   float dot = 0.f;
-  for (int c = w.valid ? lt : kq; c < kq; c += team) {
+  for (int c = w.valid ? w.lt : w.kq; c < w.kq; c += w.team) {
     float x[E], y[E];
     C::load(qr + c * E, x);
     C::load(zr + c * E, y);
     #pragma unroll
     for (int e = 0; e < E; ++e) dot = fmaf(x[e], y[e], dot);
   }
-  dot = rtk_team_sum(dot, team);
+  dot = rtk_team_sum(dot, w.team);
   const float scale = (float)p.scale, eps = (float)p.eps;
   const float dn = ONEPQK ? fmaf(scale, dot, gi) : scale * dot;
   const float d = dn + eps;
-  if (w.valid && lt == 0) den[w.r] = dn;
+  if (w.valid && w.lt == 0) den[w.r] = dn;
 
-  for (int c = w.valid ? lt : kv; c < kv; c += team) {
+  for (int c = w.valid ? w.lt : w.kv; c < w.kv; c += w.team) {
     float a[E], b[E];
-    if (c == lt) {
+    if (c == w.lt) {
       #pragma unroll
       for (int e = 0; e < E; ++e) { a[e] = a0[e]; b[e] = ONEPQK ? u0[e] : 0.f; }
     } else {

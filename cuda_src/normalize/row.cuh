@@ -77,16 +77,22 @@ __device__ __forceinline__ float rtk_team_sum(float x, int team) {
   return x;
 }
 
-// This thread's row (a flat index over B * H * N, token fastest) and its (b, h, n).
+// This thread's row (a flat index over B * H * N, token fastest) and its (b, h, n), its lane lt in
+// the row's team, and the row's chunk counts: kq of q and z (Dk / E), kv of num, u and o (Dv / E).
 struct rtk_norm_row {
   rtk_i64 r, b, h, n;
   bool valid;
+  int team, lt, kq, kv;
 };
 
+template <int E>
 __device__ __forceinline__ rtk_norm_row rtk_norm_locate(const rtk_norm_shape& p) {
   rtk_norm_row w;
-  const int team = (int)p.team;
-  const rtk_i64 row = (rtk_i64)blockIdx.x * (RTK_NORM_THREADS / team) + threadIdx.x / team;
+  w.team = (int)p.team;
+  w.lt = threadIdx.x % w.team;
+  w.kq = (int)(p.Dk / E);
+  w.kv = (int)(p.Dv / E);
+  const rtk_i64 row = (rtk_i64)blockIdx.x * (RTK_NORM_THREADS / w.team) + threadIdx.x / w.team;
   w.valid = row < p.B * p.H * p.N;
   w.r = w.valid ? row : 0;
   const rtk_i64 bh = w.r / p.N;
