@@ -305,7 +305,7 @@ def _varlen_call(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any
     log_decay = _log_decay(decay, decay_rate, h, qt.device)
     s0 = _check_state(initial_state, qt, vt, sequences)
     with_grad = needs_grad(kind, qt, kt, vt, s0, log_decay)  # (raises for CuPy inputs that need a gradient)
-    if not (_is_compiling() or _func_active()) and _packed.takes(qt, kt, vt, log_decay):
+    if not (_is_compiling() or _func_active()) and _packed.takes(qt, kt, vt, log_decay, return_state):
         out, state = _packed.packed_attention(qt, kt, vt, cu, log_decay, scale, s0, return_state, layout == "bnhd",
                                               _check_fp32_precision(fp32_precision), with_grad)
         return _results(out, state, return_state, kind)

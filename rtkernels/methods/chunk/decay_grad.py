@@ -174,16 +174,17 @@ def sum_partials(partial: torch.Tensor, log_decay: LogDecay, for_source: bool) -
 
 class PartialSums:
     """The dq pass's partial sums of dlog(gamma) for ``[B, H, N, D]`` inputs like q and v and a
-    decay like ``log_decay`` (its dtype, kind and stride), planned once: the buffer's shape
+    decay like ``log_decay`` (its dtype, kind and stride; ``sequences`` = S: packed sequences in a
+    batch of one, a row of partial sums per sequence), planned once: the buffer's shape
     (:func:`dq_pass_partials`) and the sum kernel's launch, bound (:func:`sum_partials` with
     ``for_source``). A planned backward keeps one, so that a trainable decay's step adds an
     allocation and one bound launch to the fixed decay's host time."""
 
     __slots__ = ("shape", "device", "_sum")
 
-    def __init__(self, q: torch.Tensor, v: torch.Tensor, log_decay: LogDecay):
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, sequences: int = 0):
         dev = q.device.index
-        self.shape, self.device = _partials_shape(q, v), q.device
+        self.shape, self.device = _partials_shape(q, v, sequences), q.device
         grid, block, tail = _sum_launch(self.shape, log_decay, True)
         self._sum = get_function(SUM_SOURCE, SUM_KERNEL, dev).bind(grid, block, 0, dev, 3, tail)
 
@@ -212,8 +213,11 @@ def dq_pass_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: to
             and _wgmma_ok(q.device.index, current_overrides()))
 
 
-def _partials_shape(q: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
+def _partials_shape(q: torch.Tensor, v: torch.Tensor, sequences: int = 0) -> tuple[int, int, int]:
+    """(segments * B, Dk / 64, H); ``sequences`` = S packed sequences: (S, Dk / 64, H), one segment."""
     b, h, n, dk = q.shape
+    if sequences:
+        return sequences, -(-dk // 64), h
     segments = dlog_launch(q.dtype, v.shape[-1], dk, b * h, n, q.device.index, current_overrides()).segments
     return segments * b, -(-dk // 64), h
 

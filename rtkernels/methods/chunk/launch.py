@@ -3,6 +3,7 @@ call with new pointers), :func:`kernel_prepare` and :func:`kernel_forward`."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -89,8 +90,8 @@ class ChunkLaunch:
         over = current_overrides()
         if sequences:
             bh = sequences * h
-        if dlog:
-            lp = dlog_launch(q.dtype, dk, dv, bh, n, dev, over)
+        if dlog:  # packed sequences: one segment (as packed_launch)
+            lp = dlog_launch(q.dtype, dk, dv, bh, n, dev, dataclasses.replace(over, segments=1) if sequences else over)
         elif sequences:
             lp = packed_launch(q.dtype, dk, dv, vec, bh, max(1, n // sequences), dev, over, exact)
         else:

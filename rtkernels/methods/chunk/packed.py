@@ -23,8 +23,13 @@ the host: a call never syncs and can be captured in a CUDA graph.
   G[s]`` (e_s the last token of j's sequence), are torch products over blocks of tokens with G
   gathered per token (positions from ``searchsorted`` on the device), and ``dS_0[s] = scale gamma
   R[s] + gamma^(len_s) G[s]`` with R the dv pass's final states.
-- A decay that requires grad (dlog gamma) is not taken here: the whole call runs the torch path
-  of :mod:`rtkernels.varlen` (the dlog(gamma) kernel has no packed form).
+- A decay that requires grad: dlog(gamma) comes from the backward's dq pass, which sums it per
+  (sequence, head, tile of Dk) CTA (:func:`.decay_grad.dq_pass_sums`, the DLOG instance: S and
+  W = dS/dlog(gamma) restart at every sequence, W from 0), one row of partial sums per sequence,
+  added per head by the sum kernel. Taken where that pass runs (bf16, 16-byte rows, wgmma) and the
+  call returns no final state (the gradient of a returned state adds <G, W> at each sequence's
+  end, which that pass does not give); otherwise, as every other call the kernels do not take,
+  the whole call runs the torch path of :mod:`rtkernels.varlen`.
 
 Precision is that of the ordinary kernel call per sequence (16-bit operands and state copy, fp32
 state); outputs and gradients agree with one call per sequence to the input dtype's rounding.
@@ -41,6 +46,7 @@ from ...decay import LogDecay
 from ...jit.dtypes import compute_dtype
 from . import launch
 from .backward import gradient_passes, kernel_runs
+from .decay_grad import PartialSums, dq_pass_sums
 
 __all__ = ["takes", "offsets", "packed_attention", "packed_backward", "forward_pass", "GATHER_BYTES"]
 
@@ -48,10 +54,15 @@ __all__ = ["takes", "offsets", "packed_attention", "packed_backward", "forward_p
 GATHER_BYTES = 1 << 27
 
 
-def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay) -> bool:
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, need_state: bool = False) -> bool:
     """Whether a packed call on these ``[1, H, N, D]`` views runs the kernels: CUDA fp16/bf16/fp32 the
-    chunk kernel takes (:func:`.backward.kernel_runs`), N > 0 and a decay without autograd history."""
-    return q.shape[2] > 0 and log_decay.source is None and kernel_runs(q, k, v)
+    chunk kernel takes (:func:`.backward.kernel_runs`), N > 0, and a decay without autograd history
+    or one whose gradient the dq pass sums (module docstring: :func:`.decay_grad.dq_pass_sums` for
+    these views, Dv a multiple of 8 so that a contiguous output gradient has 16-byte rows too, and
+    no final state returned, ``need_state`` False)."""
+    if q.shape[2] == 0 or not kernel_runs(q, k, v):
+        return False
+    return log_decay.source is None or (not need_state and v.shape[-1] % 8 == 0 and dq_pass_sums(q, k, v, v, None))
 
 
 def offsets(cu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,11 +75,13 @@ def offsets(cu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                  out: torch.Tensor, initial_state: Optional[torch.Tensor], need_state: bool, reverse: bool,
-                 fp32_precision: str, packed: tuple[torch.Tensor, torch.Tensor]) -> Optional[torch.Tensor]:
+                 fp32_precision: str, packed: tuple[torch.Tensor, torch.Tensor],
+                 dlog: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
     """One kernel pass over the packed sequences (:func:`.launch.kernel_forward` with ``packed``):
-    ``out`` written, the ``[S, H, Dk, Dv]`` fp32 final states returned when ``need_state``."""
+    ``out`` written, the ``[S, H, Dk, Dv]`` fp32 final states returned when ``need_state``; ``dlog``:
+    the dq pass that also sums dlog(gamma), as for that function."""
     return launch.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state, fp32_precision,
-                                 reverse=reverse, packed=packed)
+                                 reverse=reverse, packed=packed, dlog=dlog)
 
 
 class _PackedCall:
@@ -91,15 +104,17 @@ def _forward(call: _PackedCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 
 class PackedFunction(torch.autograd.Function):
-    """``(call, q, k, v, initial_state) -> (out, final states or None)`` on ``[1, H, N, D]`` views, the
-    output contiguous in the caller's layout. Not twice differentiable."""
+    """``(call, q, k, v, initial_state, log_decay_source) -> (out, final states or None)`` on
+    ``[1, H, N, D]`` views, the output contiguous in the caller's layout; ``log_decay_source``:
+    :attr:`LogDecay.source` (a decay that requires grad) or None. Not twice differentiable."""
 
     @staticmethod
     def forward(ctx, call: _PackedCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                initial_state: Optional[torch.Tensor]):
+                initial_state: Optional[torch.Tensor], log_decay_source: Optional[torch.Tensor] = None):
         out, state = _forward(call, q, k, v, initial_state)
         ctx.save_for_backward(q, k, v, initial_state)
         ctx.call = call
+        ctx.source_meta = None if log_decay_source is None else (log_decay_source.device, log_decay_source.dtype)
         ctx.set_materialize_grads(False)  # an unused state gets no G terms (a per-token gather)
         if state is None:
             return out, None
@@ -110,17 +125,19 @@ class PackedFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor, grad_state: Optional[torch.Tensor] = None):
         q, k, v, s0 = ctx.saved_tensors
         call = ctx.call
-        _, need_q, need_k, need_v, need_s0 = ctx.needs_input_grad
+        _, need_q, need_k, need_v, need_s0, need_decay = ctx.needs_input_grad
         if grad_out is None:  # only the states reach the loss
             _, h, n, _ = q.shape
             grad_out = torch.zeros((1, n, h, v.shape[3]) if call.bnhd else (1, h, n, v.shape[3]), dtype=q.dtype,
                                    device=q.device)
         g = grad_out.transpose(1, 2) if call.bnhd else grad_out
-        dq, dk, dv, ds0 = packed_backward(q, k, v, call.log_decay, call.scale, s0, g,
-                                          grad_state if call.return_state else None, need_s0 and s0 is not None,
-                                          call.fp32_precision, call.packed)
+        dq, dk, dv, ds0, d_decay = packed_backward(q, k, v, call.log_decay, call.scale, s0, g,
+                                                   grad_state if call.return_state else None,
+                                                   need_s0 and s0 is not None, call.fp32_precision, call.packed,
+                                                   need_decay)
         return (None, dq if need_q else None, dk if need_k else None, dv if need_v else None,
-                ds0.to(s0.dtype) if need_s0 and s0 is not None else None)
+                ds0.to(s0.dtype) if need_s0 and s0 is not None else None,
+                d_decay.to(*ctx.source_meta) if need_decay else None)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, log_decay: LogDecay,
@@ -130,7 +147,7 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torc
     Dk, Dv] fp32 final states or None)``, through :class:`PackedFunction` when ``with_grad``."""
     call = _PackedCall(log_decay, scale, bnhd, need_state, fp32_precision, offsets(cu, q.shape[2]))
     if with_grad:
-        out, state = PackedFunction.apply(call, q, k, v, initial_state)
+        out, state = PackedFunction.apply(call, q, k, v, initial_state, log_decay.source)
     else:
         out, state = _forward(call, q, k, v, initial_state)
     return out, state
@@ -163,17 +180,28 @@ def _state_terms(dk: torch.Tensor, dv: torch.Tensor, k: torch.Tensor, v: torch.T
 
 def packed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                     initial_state: Optional[torch.Tensor], grad_out: torch.Tensor, grad_state: Optional[torch.Tensor],
-                    need_state_grad: bool, fp32_precision: str, packed: tuple[torch.Tensor, torch.Tensor]
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """``(dq, dk, dv, dS_0 or None)`` of a packed call (module docstring): dq, dk, dv in the input
-    dtype with the strides of q, k, v where dense, dS_0 ``[S, H, Dk, Dv]`` in fp32."""
+                    need_state_grad: bool, fp32_precision: str, packed: tuple[torch.Tensor, torch.Tensor],
+                    need_decay_grad: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(dq, dk, dv, dS_0 or None, d_decay or None)`` of a packed call (module docstring): dq, dk, dv
+    in the input dtype with the strides of q, k, v where dense, dS_0 ``[S, H, Dk, Dv]`` in fp32;
+    with ``need_decay_grad`` (no ``grad_state``; :func:`takes` held), dL/d(``log_decay.source``),
+    ``[H]`` float32, summed by the dq pass."""
     cdt = compute_dtype(q.dtype)
+    sums = partials = None
+    if need_decay_grad:
+        if grad_state is not None:
+            raise ValueError("the packed kernels sum dlog(gamma) only for calls that return no final state")
+        if not dq_pass_sums(q, k, v, grad_out, None):  # e.g. a gradient of other strides: 16-byte rows
+            grad_out = grad_out.contiguous()
+        sums = PartialSums(q, v, log_decay, packed[0].shape[0] - 1)
+        partials = sums.buffer()
 
-    def run(*args):  # one kernel pass over the same sequences
-        return forward_pass(*args, fp32_precision, packed)
+    def run(*args, **kw):  # one kernel pass over the same sequences
+        return forward_pass(*args, fp32_precision, packed, **kw)
 
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
-                                           need_state_grad, q.dtype)
+                                           need_state_grad, q.dtype, partials)
     if grad_state is not None:
         cu64 = packed[0]
         g_state = grad_state.to(cdt)
@@ -181,4 +209,5 @@ def packed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
         if need_state_grad:
             lens = (cu64[1:] - cu64[:-1]).clamp(0, q.shape[2]).to(cdt)
             d_s0 = d_s0 + torch.exp(lg[None, :] * lens[:, None])[..., None, None] * g_state
-    return dq, dk, dv, d_s0
+    d_decay = None if sums is None else sums.total(partials, log_decay.kernel_arg()[0])
+    return dq, dk, dv, d_s0, d_decay
