@@ -387,6 +387,17 @@ def _drive_packed() -> Optional[str]:
             ((out.float() * w).sum() + fin.sum()).backward()
             ((want * w.double()).sum() + want_fin.sum()).backward()
             _grads_close([x.grad for x in leaves], [x.grad for x in ref], what)
+    for dk, dv in ((64, 96), (128, 128)):  # a trainable decay, no state returned: dlog(gamma) in the dq pass
+        q, k, v = _qkv(1, h, n, dk, dv, torch.bfloat16, seed=dk + 1)
+        decay = torch.linspace(0.5, 0.999, h, device="cuda")
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, decay)]
+        ref = [x.detach().double().requires_grad_(True) for x in (q, k, v, decay)]
+        out = rtkernels.causal_linear_attention(*leaves, scale=0.7, cu_seqlens=cu)
+        want = rtkernels.causal_linear_attention(*ref, scale=0.7, cu_seqlens=cu)
+        w = torch.randn_like(out, dtype=torch.float32)
+        (out.float() * w).sum().backward()
+        (want * w.double()).sum().backward()
+        _grads_close([out] + [x.grad for x in leaves], [want] + [x.grad for x in ref], f"packed trainable {dk}x{dv}")
     return None
 
 
@@ -448,7 +459,7 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
     "block": (lambda: _drive_method("block"), "block.cu, BV 32 and 64"),
     "decode": (_drive_decode, "decode.cu (pool, indices with padding)"),
     "packed": (_drive_packed, "chunk kernels on packed sequences (cu_seqlens, empty ones included): forward, "
-                              "states, backward; fp32/fp16/bf16"),
+                              "states, backward; fp32/fp16/bf16; bf16 with a trainable decay (DLOG dq pass)"),
     "normalize": (_drive_normalize, "normalize/fwd.cu + normalize/bwd.cu (linear_attention), both features "
                                     "and layouts, forward and backward"),
 }

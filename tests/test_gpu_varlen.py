@@ -16,7 +16,7 @@ import torch
 import rtkernels
 from graphs import capture
 from reference import reference
-from tolerances import assert_close
+from tolerances import assert_close, assert_close_to_magnitude
 from inputs import run_without_host_sync
 
 pytestmark = pytest.mark.gpu
@@ -387,3 +387,126 @@ def test_kernel_path_invalid_offsets_give_nan(kernel_path, dtype, cu):
     torch.cuda.synchronize()
     assert torch.isnan(out).all() and torch.isnan(state).all()
     assert all(torch.isnan(g).all() for g in grads)
+
+
+# ------------------------------------------------------------------ a trainable decay on the kernels
+
+def outputs_per_sequence(fn, q, k, v, s0, layout, lens=KLENS):
+    """``fn(q_s, k_s, v_s, s0_s or None) -> output`` per non-empty sequence, end to end."""
+    dim = 2 if layout == "bhnd" else 1
+    outs, lo = [], 0
+    for s, n in enumerate(lens):
+        if n:
+            outs.append(fn(*(x.narrow(dim, lo, n) for x in (q, k, v)), None if s0 is None else s0[s:s + 1]))
+            lo += n
+    return torch.cat(outs, dim)
+
+
+@pytest.mark.parametrize("with_s0", [True, False], ids=["s0", "no-s0"])
+@pytest.mark.parametrize("form", ["decay", "decay_rate"])
+@pytest.mark.parametrize("dims, layout", [((64, 96), "bhnd"), ((40, 72), "bnhd"), ((200, 40), "bhnd"),
+                                          ((128, 128), "bnhd")], ids=["64x96", "40x72", "200x40", "128x128"])
+def test_kernel_path_trainable_decay(kernel_path, dims, layout, form, with_s0):
+    """A CUDA decay tensor that requires grad, bf16, no returned state: the forward and the three
+    backward passes on the kernels, the dq pass summing dL/dgamma (dL/dr for rates) over the packed
+    sequences (empty ones, 1, 63, 64, 65 and 2000 tokens; gamma 1e-6, 0.9, 0.99, 1). Against the
+    fp64 reference per sequence (the decay gradient within bf16's tolerance of its magnitude: the
+    same sums over absolute values) and against one ordinary call per sequence; dq, dk, dv and
+    d(initial state) as without a trainable decay."""
+    dk, dv = dims
+    q, k, v, s0, gamma = kernel_inputs(torch.bfloat16, dk, dv, layout, seed=3)
+    decay = gamma if form == "decay" else -torch.log(gamma)
+    w_out = torch.randn(q.shape[:3] + (dv,), generator=torch.Generator().manual_seed(10),
+                        dtype=F64).to(torch.bfloat16).to("cuda", F64)
+
+    def grads(fn, absolute=False):
+        xs = [*(x.abs() if absolute else x for x in (q, k, v, s0)), decay]
+        leaves = [x.detach().clone().requires_grad_() for x in (xs if with_s0 else xs[:3] + xs[4:])]
+        qq, kk, vv, *rest = leaves
+        out = fn(qq, kk, vv, rest[0] if with_s0 else None, rest[-1])
+        return out.detach(), torch.autograd.grad((out.double() * (w_out.abs() if absolute else w_out)).sum(), leaves)
+
+    def kernels(a, b, c, s, d):
+        return rtkernels.causal_linear_attention(a, b, c, scale=SCALE, layout=layout, initial_state=s,
+                                                 cu_seqlens=offsets(KLENS), **{form: d})
+
+    def fp64(a, b, c, s, d):
+        g = d.double() if form == "decay" else torch.exp(-d.double())
+        return outputs_per_sequence(lambda x, y, z, t: reference(x, y, z, g, SCALE, layout, t)[0], a, b, c, s, layout)
+
+    def calls(a, b, c, s, d):
+        return outputs_per_sequence(lambda x, y, z, t: rtkernels.causal_linear_attention(
+            x, y, z, scale=SCALE, layout=layout, initial_state=t, **{form: d}), a, b, c, s, layout)
+
+    out, got = grads(kernels)
+    assert kernel_path == [False, False, True, True], "one forward and three backward passes on the kernels"
+    ro, want = grads(fp64)
+    _, mag = grads(fp64, absolute=True)
+    _, each = grads(calls)
+    assert_close(out, ro, torch.bfloat16, "output vs fp64 reference", KN)
+    names = ("dq", "dk", "dv", "dinitial_state")[:3 + with_s0] + (f"d{form}",)
+    for name, a, b, c, m in zip(names, got, want, each, mag):
+        if name.startswith("dd"):
+            assert a.dtype == decay.dtype and a.shape == decay.shape
+            assert_close_to_magnitude(a, b, m, torch.bfloat16, f"{name} vs fp64 reference", KN)
+            assert_close_to_magnitude(a, c.double(), m, torch.bfloat16, f"{name} vs one call per sequence", KN)
+        else:
+            assert_close(a, b, torch.bfloat16, f"{name} vs fp64 reference", KN)
+            assert_close(a, c.double(), torch.bfloat16, f"{name} vs one call per sequence", KN)
+
+
+def test_kernel_path_trainable_decay_no_sync_and_graph(kernel_path):
+    """A trainable decay on the kernels: forward and backward with no host sync, and captured in a
+    CUDA graph, replayed after new offsets (same S) and a new decay equal to eager, bit for bit."""
+    q, k, v, s0, gamma = kernel_inputs(torch.bfloat16, 64, 96, "bnhd", seed=7)
+    cu = offsets(KLENS)
+    decay = gamma.clone().requires_grad_()
+    leaves = [x.requires_grad_() for x in (q, k, v, s0)] + [decay]
+
+    def step():
+        out = rtkernels.causal_linear_attention(q, k, v, decay, layout="bnhd", initial_state=s0, cu_seqlens=cu)
+        return torch.autograd.grad(out.float().sum(), leaves)
+
+    run_without_host_sync(step)
+    graph, captured = capture(step)
+    cu.copy_(offsets((2000, 0, 1, 63, 64, 65)))
+    with torch.no_grad():
+        decay.copy_(torch.tensor([0.5, 0.95, 0.999, 1.0]))
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, step()):
+        assert torch.equal(a, b)
+    assert torch.isfinite(captured[-1]).all()
+
+
+def test_kernel_path_trainable_decay_invalid_offsets_give_nan(kernel_path):
+    """Invalid device offsets with a trainable decay: the output and every gradient NaN, the decay's too."""
+    q, k, v, _, gamma = kernel_inputs(torch.bfloat16, 64, 96, "bhnd", lens=(KN,))
+    decay = gamma.clone().requires_grad_()
+    leaves = [x.requires_grad_() for x in (q, k, v)] + [decay]
+    out = rtkernels.causal_linear_attention(q, k, v, decay, cu_seqlens=torch.tensor([0, 50, 10, KN], device="cuda"))
+    grads = torch.autograd.grad(out.float().sum(), leaves)
+    assert torch.isnan(out).all() and all(torch.isnan(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("case", ["return_state", "fp16", "unaligned"])
+def test_trainable_decay_elsewhere_runs_the_torch_path(monkeypatch, case):
+    """Where the dq pass cannot sum dlog(gamma) (a returned final state, fp16, rows not 16-byte
+    aligned), a packed call with a trainable decay runs the torch path, with the right gradient."""
+    from rtkernels import varlen as torch_varlen
+
+    ran, real = [], torch_varlen.varlen_attention
+    monkeypatch.setattr(torch_varlen, "varlen_attention", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    dtype = torch.float16 if case == "fp16" else torch.bfloat16
+    q, k, v, s0, gamma = kernel_inputs(dtype, 37 if case == "unaligned" else 64, 96, "bhnd", lens=(65, 0, 200))
+    decay = gamma.clone().requires_grad_()
+    res = rtkernels.causal_linear_attention(q, k, v, decay, cu_seqlens=offsets((65, 0, 200)),
+                                            return_state=case == "return_state")
+    out = res[0] if case == "return_state" else res
+    (got,) = torch.autograd.grad(out.float().sum(), [decay])
+    assert ran == [1]
+    g = gamma.double().requires_grad_()
+    ref = outputs_per_sequence(lambda x, y, z, t: reference(x, y, z, g, 1.0, "bhnd", None)[0], q, k, v, None,
+                               "bhnd", lens=(65, 0, 200))
+    (want,) = torch.autograd.grad(ref.sum(), [g])
+    assert_close(got, want, torch.bfloat16, "dgamma vs fp64 reference", 265)
