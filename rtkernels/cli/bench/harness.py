@@ -295,7 +295,8 @@ def measure(impl: Any, case: Case, inp: dict[str, Any], ref: Reference, device: 
     """Time one implementation on one input; its error vs ``ref`` (every batch) and its peak memory.
     With ``backward`` (``--pass fwdbwd``) each call is a forward and a backward, and the row also
     gives ``grad_rel_err``, the largest error of dq, dk, dv (batch 0) and, with ``trainable``, of
-    dL/dγ. With ``graph`` a forward row also gets ``graph_ms``, the kernel time alone."""
+    dL/dγ, and ``fixed_ms``, the same step with a fixed decay timed interleaved with it (``x_fixed``:
+    the ratio). With ``graph`` a forward row also gets ``graph_ms``, the kernel time alone."""
     from . import timing
 
     g = impl.decay(inp["gamma"], device)
@@ -318,7 +319,13 @@ def measure(impl: Any, case: Case, inp: dict[str, Any], ref: Reference, device: 
         row["path"] = impl.path(args[0], args[2])
         if leaves and impl.backward_path is not None:
             row["path"] += f", bwd: {impl.backward_path(args[0], args[2])}"
-    row.update(timing.time_call(fn, device, reps, flush, max_call_s))
+    if trainable and backward:  # the same step with the decay fixed, interleaved with it: "x fixed"
+        fixed = forward_backward(impl.forward, leaves, impl.decay(inp["gamma"], device), layout(inp["grad"]))
+        t_fixed, t = timing.time_calls([fixed, fn], device, reps, flush, max_call_s)
+        row.update(t)
+        row["fixed_ms"], row["x_fixed"] = t_fixed["ms"], t["ms"] / t_fixed["ms"]
+    else:
+        row.update(timing.time_call(fn, device, reps, flush, max_call_s))
     if graph and not backward and device.type == "cuda":
         try:
             row["graph_ms"] = timing.graph_replay_ms(fn, reps)

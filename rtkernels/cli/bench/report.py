@@ -112,7 +112,9 @@ def _overhead_text(ho: dict[str, Any]) -> str:
 BWD_NOTE = (" Forward + backward: one call is the forward and out.backward(grad) (q, k, v require grad; the "
             "decay too where it says trainable: rtkernels' decay tensor, fla's per-token gates g, since its "
             "g_gamma gets no gradient); its time and peak memory are the whole's, the inputs counted with grad; no "
-            "roofline; rel err of the output; grad rel err: the largest of dq, dk, dv's (and dγ's) vs fp64 gradients.")
+            "roofline; rel err of the output; grad rel err: the largest of dq, dk, dv's (and dγ's) vs fp64 gradients. "
+            "fixed ms (trainable rows): the same step with the decay fixed, its repetitions interleaved with the "
+            "trainable step's; × fixed: the ratio.")
 #: ... for ``--graph``.
 GRAPH_NOTE = (" graph ms: the kernels alone, ten forward calls captured in one CUDA graph and replayed (no "
               "Python, no launch overhead, no L2 flush between them).")
@@ -127,6 +129,7 @@ def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> st
     gpu = env["gpu"]["name"]
     bwd = any(r["pass"] == "fwdbwd" for r in rows)
     graph = any(r.get("graph_ms") or r.get("graph_error") for r in rows)
+    fixed = any(r.get("fixed_ms") for r in rows)
     decays = sorted({r["decay"] for r in rows if r.get("decay")})
     out = [f"## rtkernels bench{' (forward + backward)' if bwd else ''} on {gpu}", "",
            f"copy BW {env['copy_bw_GBps']:.4g} GB/s ({env['copy_bw_how']}); tensor peak "
@@ -144,8 +147,9 @@ def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> st
            + (f" rtkernels fp32_precision: {env['fp32_precision']}." if env.get("fp32_precision") else ""), "",
            "| shape | dtype | impl/method | ms | vs fla | % roofline |"
            + (" graph ms | graph vs fla | graph % roofline |" if graph else "") + " rel err | peak MB |"
-           + (" grad rel err |" if bwd else ""),
-           "|---|---|---|---:|---:|---:|" + ("---:|---:|---:|" if graph else "") + "---:|---:|" + ("---:|" if bwd else "")]
+           + (" grad rel err |" if bwd else "") + (" fixed ms | × fixed |" if fixed else ""),
+           "|---|---|---|---:|---:|---:|" + ("---:|---:|---:|" if graph else "") + "---:|---:|" + ("---:|" if bwd else "")
+           + ("---:|---:|" if fixed else "")]
     notes: list[str] = []
     skipped: dict[str, list[str]] = {}
     for r in rows:
@@ -161,7 +165,8 @@ def markdown(rows: list[Row], env: dict[str, Any], shapes: dict[str, str]) -> st
                  f"{_fmt(r.get('graph_roofline_pct'), '.1f')} | ") if graph else ""
         out.append(f"| {r['shape']} | {r['dtype']} | {label(r)} | {ms} | {_fmt(r.get('vs_fla'), '.2f')} | "
                    f"{_fmt(r.get('roofline_pct'), '.1f')} | {gcols}{_fmt(r.get('rel_err'), '.1e')} | "
-                   f"{_fmt(r.get('peak_mb'), '.0f')} |" + (f" {_fmt(r.get('grad_rel_err'), '.1e')} |" if bwd else ""))
+                   f"{_fmt(r.get('peak_mb'), '.0f')} |" + (f" {_fmt(r.get('grad_rel_err'), '.1e')} |" if bwd else "")
+                   + (f" {_fmt(r.get('fixed_ms'), '.3f')} | {_fmt(r.get('x_fixed'), '.2f')} |" if fixed else ""))
     refs = sorted({f"{r['shape']}: {r['ref']}" for r in rows if r.get("ref")})
     notes += [f"- skipped ({reason}): {', '.join(where)}" for reason, where in skipped.items()]
     return "\n".join(out + [""] + notes + ["", "rel err: Frobenius norm vs an fp64 reference ("

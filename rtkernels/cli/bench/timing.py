@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -42,26 +42,36 @@ def time_call(fn: Fn, device: torch.device, reps: int, flush: Optional[torch.Ten
     launch overhead. If the second warm-up call takes longer than ``max_call_s``, only 3 repetitions
     run (``reps`` in the result says how many ran).
     """
-    first = _wall_s(fn, device)
-    if _wall_s(fn, device) > max_call_s:
+    return time_calls([fn], device, reps, flush, max_call_s)[0]
+
+
+def time_calls(fns: Sequence[Fn], device: torch.device, reps: int, flush: Optional[torch.Tensor] = None,
+               max_call_s: float = 2.0) -> list[dict[str, float]]:
+    """:func:`time_call` of each of ``fns``, their repetitions interleaved (a, b, a, b, ...), so that
+    a ratio of their times is not skewed by the host's speed drifting between two runs (on a busy
+    host it moves by tens of percent over seconds)."""
+    firsts = [_wall_s(fn, device) for fn in fns]
+    if max(_wall_s(fn, device) for fn in fns) > max_call_s:
         reps = min(reps, 3)
-    times = []
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        if flush is not None:
-            flush.zero_()
-        sync(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return {"ms": statistics.median(times), "ms_min": min(times), "reps": reps, "first_call_ms": first * 1e3}
+        for fn, ts in zip(fns, times):
+            if flush is not None:
+                flush.zero_()
+            sync(device)
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                ts.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                ts.append((time.perf_counter() - t0) * 1e3)
+    return [{"ms": statistics.median(ts), "ms_min": min(ts), "reps": reps, "first_call_ms": first * 1e3}
+            for ts, first in zip(times, firsts)]
 
 
 def back_to_back_ms(fn: Fn, reps: int = 50, warmup: int = 3) -> float:
