@@ -362,8 +362,9 @@ def causal_linear_attention(
             or zeros). A CPU tensor's values are checked (``ValueError``); a CUDA tensor's are never
             read on the host (no sync, capturable): invalid values make every output and state NaN.
             Whatever ``method`` names, CUDA fp16/bf16/fp32 inputs the chunk kernel takes run it (one
-            CTA per sequence, head and value tile; forward and backward; not for a decay that
-            requires grad), everything else a torch path of work O(N C (Dk + Dv) + N Dk Dv) per
+            CTA per sequence, head and value tile; forward and backward; a decay that requires
+            grad only in bf16 on Hopper and without ``return_state``, its gradient summed by the
+            backward's first pass), everything else a torch path of work O(N C (Dk + Dv) + N Dk Dv) per
             head (:mod:`rtkernels.varlen`); such calls are not cached and, under torch.compile, are
             traced as torch operations (not the op).
 
