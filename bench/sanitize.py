@@ -275,7 +275,7 @@ def _drive_decay_grad() -> Optional[str]:
 
 def _drive_dq_dlog() -> Optional[str]:
     """dlog(gamma) summed inside the dq pass (the DLOG instance of chunk/fwd16.cu: bf16, aligned
-    rows, Dv <= 128, wgmma; no final state, whose gradient sends it to the separate kernel)."""
+    rows, Dv <= 128, wgmma), with and without a final state in the loss (its term <G, W_end>)."""
     from rtkernels.methods import chunk
 
     if not chunk.plan._wgmma_ok(0, chunk.current_overrides()):
@@ -294,6 +294,9 @@ def _drive_dq_dlog() -> Optional[str]:
     with chunk.override(segments=2):  # two slots a segment
         _train(*_qkv(1, 2, 1024, 64, 128, torch.bfloat16), "dlog in dq pass, 2 segments of 2 slots",
                decay_grad=True, state=False)
+        _train(*_qkv(1, 2, 1000, 72, 128, torch.bfloat16), "dlog in dq pass, 2 segments, final state",
+               decay_grad=True)
+    _train(*_qkv(2, 3, 65, 128, 96, torch.bfloat16), "dlog in dq pass, final state", decay_grad=True)
     return None
 
 
@@ -392,11 +395,11 @@ def _drive_packed() -> Optional[str]:
         decay = torch.linspace(0.5, 0.999, h, device="cuda")
         leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, decay)]
         ref = [x.detach().double().requires_grad_(True) for x in (q, k, v, decay)]
-        out = rtkernels.causal_linear_attention(*leaves, scale=0.7, cu_seqlens=cu)
-        want = rtkernels.causal_linear_attention(*ref, scale=0.7, cu_seqlens=cu)
+        out, fin = rtkernels.causal_linear_attention(*leaves, scale=0.7, return_state=True, cu_seqlens=cu)
+        want, want_fin = rtkernels.causal_linear_attention(*ref, scale=0.7, return_state=True, cu_seqlens=cu)
         w = torch.randn_like(out, dtype=torch.float32)
-        (out.float() * w).sum().backward()
-        (want * w.double()).sum().backward()
+        ((out.float() * w).sum() + fin.sum()).backward()
+        ((want * w.double()).sum() + want_fin.sum()).backward()
         _grads_close([out] + [x.grad for x in leaves], [want] + [x.grad for x in ref], f"packed trainable {dk}x{dv}")
     return None
 
@@ -459,7 +462,8 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
     "block": (lambda: _drive_method("block"), "block.cu, BV 32 and 64"),
     "decode": (_drive_decode, "decode.cu (pool, indices with padding)"),
     "packed": (_drive_packed, "chunk kernels on packed sequences (cu_seqlens, empty ones included): forward, "
-                              "states, backward; fp32/fp16/bf16; bf16 with a trainable decay (DLOG dq pass)"),
+                              "states, backward; fp32/fp16/bf16; bf16 with a trainable decay and the final states "
+                              "in the loss (DLOG dq pass)"),
     "normalize": (_drive_normalize, "normalize/fwd.cu + normalize/bwd.cu (linear_attention), both features "
                                     "and layouts, forward and backward"),
 }

@@ -305,7 +305,7 @@ def _varlen_call(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any
     log_decay = _log_decay(decay, decay_rate, h, qt.device)
     s0 = _check_state(initial_state, qt, vt, sequences)
     with_grad = needs_grad(kind, qt, kt, vt, s0, log_decay)  # (raises for CuPy inputs that need a gradient)
-    if not (_is_compiling() or _func_active()) and _packed.takes(qt, kt, vt, log_decay, return_state):
+    if not (_is_compiling() or _func_active()) and _packed.takes(qt, kt, vt, log_decay):
         out, state = _packed.packed_attention(qt, kt, vt, cu, log_decay, scale, s0, return_state, layout == "bnhd",
                                               _check_fp32_precision(fp32_precision), with_grad)
         return _results(out, state, return_state, kind)
@@ -363,8 +363,8 @@ def causal_linear_attention(
             read on the host (no sync, capturable): invalid values make every output and state NaN.
             Whatever ``method`` names, CUDA fp16/bf16/fp32 inputs the chunk kernel takes run it (one
             CTA per sequence, head and value tile; forward and backward; a decay that requires
-            grad only in bf16 on Hopper and without ``return_state``, its gradient summed by the
-            backward's first pass), everything else a torch path of work O(N C (Dk + Dv) + N Dk Dv) per
+            grad only in bf16 on Hopper, its gradient summed by the backward's first pass),
+            everything else a torch path of work O(N C (Dk + Dv) + N Dk Dv) per
             head (:mod:`rtkernels.varlen`); such calls are not cached and, under torch.compile, are
             traced as torch operations (not the op).
 

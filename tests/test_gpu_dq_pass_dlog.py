@@ -32,45 +32,46 @@ def _refuse(*args, **kwargs):
     raise AssertionError("the separate dlog(gamma) kernel ran")
 
 
-def _grads(q, k, v, grad, s0, monkeypatch=None, fused=True):
-    """kernel_backward's (dq, dk, dv, dlog gamma); ``fused``: the dq pass must sum dlog(gamma) (the
-    separate kernel raises), else the separate kernel must. Plans are cleared first: a planned
-    backward would repeat the passes of an earlier call of the same shapes whatever is patched."""
+def _grads(q, k, v, grad, s0, monkeypatch=None, fused=True, g_state=None):
+    """kernel_backward's (dq, dk, dv, dlog gamma), ``g_state`` the final state's gradient; ``fused``:
+    the dq pass must sum dlog(gamma) (the separate kernel raises), else the separate kernel must.
+    Plans are cleared first: a planned backward would repeat the passes of an earlier call of the
+    same shapes whatever is patched."""
     kb.clear_plans()
     if monkeypatch is not None:
         if fused:
             monkeypatch.setattr(kb, "kernel_log_decay_grad", _refuse)
         else:
             monkeypatch.setattr(kb, "dq_pass_sums", lambda *a: False)
-    g = kb.kernel_backward(q, k, v, _log_decay(), SCALE, s0, grad, None, False, True)
+    g = kb.kernel_backward(q, k, v, _log_decay(), SCALE, s0, grad, g_state, False, True)
     return g.q, g.k, g.v, g.log_decay
 
 
-def _bound(x, want, positive):
+def _bound(x, want, positive, g_state=None):
     q, k, v, grad, s0 = x
     if positive:
         return REL_FRO[BF16] * want.abs()
     lg = torch.log(torch.tensor(GAMMAS, dtype=F64, device="cuda"))
     mag = decay_grad.torch_w_recurrence(q.abs(), k.abs(), v.abs(), lg, SCALE, None if s0 is None else s0.abs(),
-                                        grad.abs(), None)
+                                        grad.abs(), None if g_state is None else g_state.abs())
     return REL_FRO[BF16] * want.abs() + 1e-4 * mag
 
 
-def _check(monkeypatch, x, positive, what, segments=None):
+def _check(monkeypatch, x, positive, what, segments=None, g_state=None):
     """The fused dq pass against fp64 autograd (within ``_bound``) and against the plain passes:
     dk and dv bit for bit (the same kernels), dq to bf16 rounding; ``segments``: both split so
-    (and the partial sums one row of CTAs per segment)."""
+    (and the partial sums one row of CTAs per segment); ``g_state``: a final-state gradient."""
     q, k, v, grad, s0 = x
     with plan.override(segments=segments):
         if segments is not None:
             assert decay_grad.dq_pass_partials(q, v).shape[0] == plan.split(q.shape[2], segments)[1] * q.shape[0]
         with monkeypatch.context() as m:
-            dq, dk_, dv_, got = _grads(q, k, v, grad, s0, m, fused=True)
+            dq, dk_, dv_, got = _grads(q, k, v, grad, s0, m, fused=True, g_state=g_state)
         with monkeypatch.context() as m:
-            pq, pk, pv, _ = _grads(q, k, v, grad, s0, m, fused=False)
-    want = _want(q, k, v, grad, s0, None)
+            pq, pk, pv, _ = _grads(q, k, v, grad, s0, m, fused=False, g_state=g_state)
+    want = _want(q, k, v, grad, s0, g_state)
     err = (got.double() - want).abs()
-    assert torch.isfinite(got).all() and (err <= _bound(x, want, positive)).all(), \
+    assert torch.isfinite(got).all() and (err <= _bound(x, want, positive, g_state)).all(), \
         f"{what} positive={positive}: got {got.tolist()}, want {want.tolist()}"
     assert torch.equal(dk_, pk) and torch.equal(dv_, pv)
     scale = pq.float().abs().max().clamp(min=1e-30)
@@ -106,6 +107,21 @@ def test_split_sequence(monkeypatch, n, sizes, segments, with_s0):
                segments)
 
 
+@pytest.mark.parametrize("with_s0", [True, False], ids=["s0", "no-s0"])
+@pytest.mark.parametrize("n, sizes, segments", [(1, (64, 64), None), (65, (40, 72), None), (1000, (128, 128), None),
+                                                (4096, (200, 40), None), (3000, (64, 64), 3), (4096, (128, 128), 2)],
+                         ids=str)
+def test_final_state_gradient(monkeypatch, n, sizes, segments, with_s0):
+    """A gradient G of the final state: the CTA that ends the sequence (split: of the last segment)
+    adds <G, W_end> over its tile. Against fp64 autograd of sum(grad * out) + sum(G * state), and
+    the plain passes with the separate kernel, as test_matches_fp64_autograd."""
+    dk, dv = sizes
+    for positive in (True, False):
+        q, k, v, grad, s0, g_state = _inputs(n, dk, dv, BF16, positive, 11 * n + dk, b=2 if n < 4096 else 1)
+        _check(monkeypatch, (q, k, v, grad, s0 if with_s0 else None), positive,
+               f"n={n} {sizes} segments={segments} with G", segments, g_state)
+
+
 def test_long_sequence_splits_by_default():
     """Few (batch, head, tile) CTAs over a long sequence: the heuristic splits the pass (one CTA per
     SM), as it does the forward."""
@@ -126,11 +142,11 @@ def test_bnhd_strides_and_determinism(monkeypatch):
 
 
 def test_falls_back_where_it_cannot():
-    """fp16, unaligned rows, q and k with different strides, Dv > 128 or a gradient of the final
-    state: the separate kernel."""
+    """fp16, unaligned rows, q and k with different strides or Dv > 128: the separate kernel (a
+    gradient of the final state is no obstacle)."""
     q, k, v, grad, s0, g_state = _inputs(100, 64, 64, BF16, False, 2)
     assert decay_grad.dq_pass_sums(q, k, v, grad, None)
-    assert not decay_grad.dq_pass_sums(q, k, v, grad, g_state)
+    assert decay_grad.dq_pass_sums(q, k, v, grad, g_state)
     assert not decay_grad.dq_pass_sums(*(x.half() for x in (q, k, v, grad)), None)
     assert not decay_grad.dq_pass_sums(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, grad, None)
     wide = torch.zeros(2, len(GAMMAS), 100, 256, dtype=BF16, device="cuda")

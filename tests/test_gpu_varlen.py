@@ -102,8 +102,13 @@ def test_outputs_and_states(dtype, layout):
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_gradients(dtype, layout):
-    """dq, dk, dv, d(initial_state) and d(gamma) (a CUDA tensor) from the outputs and the states."""
+def test_gradients(monkeypatch, dtype, layout):
+    """dq, dk, dv, d(initial_state) and d(gamma) (a CUDA tensor) from the outputs and the states, on
+    the torch path (its fp32 accuracy; bf16 on Hopper would run the kernels, whose trainable-decay
+    test is test_kernel_path_trainable_decay)."""
+    from rtkernels.methods.chunk import packed as kp
+
+    monkeypatch.setattr(kp, "takes", lambda *args: False)
     q, k, v, s0, gamma = packed(dtype, layout, seed=1)
     g = torch.Generator().manual_seed(2)
     # representable in dtype: the gradient reaching a 16-bit output is rounded to it
@@ -402,41 +407,53 @@ def outputs_per_sequence(fn, q, k, v, s0, layout, lens=KLENS):
     return torch.cat(outs, dim)
 
 
+@pytest.mark.parametrize("stateful", [False, True], ids=["out", "out+states"])
 @pytest.mark.parametrize("with_s0", [True, False], ids=["s0", "no-s0"])
 @pytest.mark.parametrize("form", ["decay", "decay_rate"])
 @pytest.mark.parametrize("dims, layout", [((64, 96), "bhnd"), ((40, 72), "bnhd"), ((200, 40), "bhnd"),
                                           ((128, 128), "bnhd")], ids=["64x96", "40x72", "200x40", "128x128"])
-def test_kernel_path_trainable_decay(kernel_path, dims, layout, form, with_s0):
-    """A CUDA decay tensor that requires grad, bf16, no returned state: the forward and the three
-    backward passes on the kernels, the dq pass summing dL/dgamma (dL/dr for rates) over the packed
-    sequences (empty ones, 1, 63, 64, 65 and 2000 tokens; gamma 1e-6, 0.9, 0.99, 1). Against the
-    fp64 reference per sequence (the decay gradient within bf16's tolerance of its magnitude: the
-    same sums over absolute values) and against one ordinary call per sequence; dq, dk, dv and
+def test_kernel_path_trainable_decay(kernel_path, dims, layout, form, with_s0, stateful):
+    """A CUDA decay tensor that requires grad, bf16: the forward and the three backward passes on
+    the kernels, the dq pass summing dL/dgamma (dL/dr for rates) over the packed sequences (empty
+    ones, 1, 63, 64, 65 and 2000 tokens; gamma 1e-6, 0.9, 0.99, 1); ``stateful``: the final states
+    are returned and in the loss too (their term <G[s], W_end> per sequence). Against the fp64
+    reference per sequence (the decay gradient within bf16's tolerance of its magnitude: the same
+    sums over absolute values) and against one ordinary call per sequence; dq, dk, dv and
     d(initial state) as without a trainable decay."""
     dk, dv = dims
     q, k, v, s0, gamma = kernel_inputs(torch.bfloat16, dk, dv, layout, seed=3)
     decay = gamma if form == "decay" else -torch.log(gamma)
-    w_out = torch.randn(q.shape[:3] + (dv,), generator=torch.Generator().manual_seed(10),
-                        dtype=F64).to(torch.bfloat16).to("cuda", F64)
+    gen = torch.Generator().manual_seed(10)
+    w_out = torch.randn(q.shape[:3] + (dv,), generator=gen, dtype=F64).to(torch.bfloat16).to("cuda", F64)
+    w_state = torch.randn(len(KLENS), H, dk, dv, generator=gen, dtype=F64).to("cuda")
 
     def grads(fn, absolute=False):
         xs = [*(x.abs() if absolute else x for x in (q, k, v, s0)), decay]
         leaves = [x.detach().clone().requires_grad_() for x in (xs if with_s0 else xs[:3] + xs[4:])]
         qq, kk, vv, *rest = leaves
-        out = fn(qq, kk, vv, rest[0] if with_s0 else None, rest[-1])
-        return out.detach(), torch.autograd.grad((out.double() * (w_out.abs() if absolute else w_out)).sum(), leaves)
+        out, state = fn(qq, kk, vv, rest[0] if with_s0 else None, rest[-1])
+        loss = (out.double() * (w_out.abs() if absolute else w_out)).sum()
+        if stateful:
+            loss = loss + (state.double() * (w_state.abs() if absolute else w_state)).sum()
+        return out.detach(), torch.autograd.grad(loss, leaves)
 
     def kernels(a, b, c, s, d):
-        return rtkernels.causal_linear_attention(a, b, c, scale=SCALE, layout=layout, initial_state=s,
-                                                 cu_seqlens=offsets(KLENS), **{form: d})
+        res = rtkernels.causal_linear_attention(a, b, c, scale=SCALE, layout=layout, initial_state=s,
+                                                return_state=stateful, cu_seqlens=offsets(KLENS), **{form: d})
+        return res if stateful else (res, None)
+
+    def per_seq(run, a, b, c, s):  # run(q_s, k_s, v_s, s0_s or None) -> (out, state)
+        init = s if s is not None else torch.zeros(len(KLENS), H, dk, dv, device="cuda")
+        return split_call(lambda x, y, z, t, st: run(x, y, z, t if s is not None else None), a, b, c, init,
+                          layout, True)
 
     def fp64(a, b, c, s, d):
         g = d.double() if form == "decay" else torch.exp(-d.double())
-        return outputs_per_sequence(lambda x, y, z, t: reference(x, y, z, g, SCALE, layout, t)[0], a, b, c, s, layout)
+        return per_seq(lambda x, y, z, t: reference(x, y, z, g, SCALE, layout, t), a, b, c, s)
 
     def calls(a, b, c, s, d):
-        return outputs_per_sequence(lambda x, y, z, t: rtkernels.causal_linear_attention(
-            x, y, z, scale=SCALE, layout=layout, initial_state=t, **{form: d}), a, b, c, s, layout)
+        return per_seq(lambda x, y, z, t: rtkernels.causal_linear_attention(
+            x, y, z, scale=SCALE, layout=layout, initial_state=t, return_state=True, **{form: d}), a, b, c, s)
 
     out, got = grads(kernels)
     assert kernel_path == [False, False, True, True], "one forward and three backward passes on the kernels"
@@ -489,10 +506,10 @@ def test_kernel_path_trainable_decay_invalid_offsets_give_nan(kernel_path):
     assert torch.isnan(out).all() and all(torch.isnan(g).all() for g in grads)
 
 
-@pytest.mark.parametrize("case", ["return_state", "fp16", "unaligned"])
+@pytest.mark.parametrize("case", ["fp16", "unaligned"])
 def test_trainable_decay_elsewhere_runs_the_torch_path(monkeypatch, case):
-    """Where the dq pass cannot sum dlog(gamma) (a returned final state, fp16, rows not 16-byte
-    aligned), a packed call with a trainable decay runs the torch path, with the right gradient."""
+    """Where the dq pass cannot sum dlog(gamma) (fp16, rows not 16-byte aligned), a packed call with
+    a trainable decay runs the torch path, with the right gradient."""
     from rtkernels import varlen as torch_varlen
 
     ran, real = [], torch_varlen.varlen_attention
@@ -500,9 +517,7 @@ def test_trainable_decay_elsewhere_runs_the_torch_path(monkeypatch, case):
     dtype = torch.float16 if case == "fp16" else torch.bfloat16
     q, k, v, s0, gamma = kernel_inputs(dtype, 37 if case == "unaligned" else 64, 96, "bhnd", lens=(65, 0, 200))
     decay = gamma.clone().requires_grad_()
-    res = rtkernels.causal_linear_attention(q, k, v, decay, cu_seqlens=offsets((65, 0, 200)),
-                                            return_state=case == "return_state")
-    out = res[0] if case == "return_state" else res
+    out = rtkernels.causal_linear_attention(q, k, v, decay, cu_seqlens=offsets((65, 0, 200)))
     (got,) = torch.autograd.grad(out.float().sum(), [decay])
     assert ran == [1]
     g = gamma.double().requires_grad_()

@@ -33,8 +33,9 @@
 // per chunk, over this tile's BV columns (the tiles' sums add up to the whole, every term being
 // linear in x and v), with W = dS/dlog(gamma) carried beside S by the state warps,
 //   W = gamma^len (W + len S) + sum_s (len-1-s) gamma^(len-1-s) k_s^T v_s,
-// and published as a 16-bit copy like S's. Each CTA writes one float to
-// dlog_out[segment][row][tile][h]; rtkernels/methods/chunk/decay_grad.py has the math and the sum
+// and published as a 16-bit copy like S's. With a final-state gradient G (p.dlog_g), the CTA
+// that ends the sequence adds <G, W_end> over its tile: W's fp32 registers dotted by the state
+// warps. Each CTA writes one float to dlog_out[segment][row][tile][h]; rtkernels/methods/chunk/decay_grad.py has the math and the sum
 // over the CTAs. Split into segments (RTK_MODE_FOLD), a CTA starts from S and W entering its
 // segment, which rtk_chunk_states<..., DLOG> leaves in the slots (rtk_chunk_state::fold_with).
 
@@ -425,15 +426,10 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       v_bad = out_end(chunk);  // done with this stage and this state copy
     }
     if (WG && osend) rtk_bulk_wait_all<0>();
-    if constexpr (DLOG) {  // the CTA's sum, in a fixed order (bf16: s_red, fp16's, is free)
+    if constexpr (DLOG) {  // this warp's share of the CTA's sum (bf16: s_red, fp16's, is free)
       #pragma unroll
       for (int off = 16; off > 0; off >>= 1) dlog_sum += __shfl_xor_sync(0xffffffffu, dlog_sum, off);
       if (lane == 0) s_red[w] = dlog_sum;
-      rtk_named_sync(2, 128);
-      if (tid == 0)
-        reinterpret_cast<float*>(p.dlog_out)[((rtk_i64)(blockIdx.z * (gridDim.x / H) + b_row) * gridDim.y +
-                                              blockIdx.y) * H + h] =
-            (s_red[0] + s_red[1]) + (s_red[2] + s_red[3]);
     }
   } else {
     // ---- state warps: fp32 state in registers, 16-bit copy in shared memory --------------------
@@ -574,8 +570,23 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       next_copy(stage ^ 1, chunk + 1 < nchunks);
       end_period(chunk + 1);
     }
-    if (mode != RTK_MODE_FOLD || blockIdx.z + 1 == gridDim.z) sf.store(s_acc, final_state);
+    const bool ends = mode != RTK_MODE_FOLD || blockIdx.z + 1 == gridDim.z;
+    if (ends) sf.store(s_acc, final_state);
+    if constexpr (DLOG) {  // <G, W_end> over this tile, by the CTA that ends the sequence
+      float gw = (ends && p.dlog_g != 0)
+                     ? sf.dot_transposed(w_acc, reinterpret_cast<const float*>(p.dlog_g) + (rtk_i64)bh * Dk * Dv)
+                     : 0.f;
+      #pragma unroll
+      for (int off = 16; off > 0; off >>= 1) gw += __shfl_xor_sync(0xffffffffu, gw, off);
+      if (lane == 0) s_red[warp] = gw;
+    }
   }
-
+  if constexpr (DLOG) {  // the CTA's sum in a fixed order: the output warps' terms, then G's
+    __syncthreads();
+    if (tid == 0)
+      reinterpret_cast<float*>(p.dlog_out)[((rtk_i64)(blockIdx.z * (gridDim.x / H) + b_row) * gridDim.y +
+                                            blockIdx.y) * H + h] =
+          ((s_red[0] + s_red[1]) + (s_red[2] + s_red[3])) + ((s_red[4] + s_red[5]) + (s_red[6] + s_red[7]));
+  }
 }
 

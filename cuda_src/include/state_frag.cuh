@@ -53,6 +53,22 @@ struct rtk_chunk_state {
           f(mt, nt, e, off, real);
         }
   }
+  // sum of x (r, c) * m[(v0 + c) * Dk + r] over the fragment's real elements, in a fixed order:
+  // x dotted with the transpose of a [Dv, Dk] matrix, per thread (the dq pass holds S^T of the
+  // forward's state, whose final-state gradient G is [Dk_forward = Dv, Dv_forward = Dk] here)
+  __device__ __forceinline__ float dot_transposed(const float (&x)[MT][NT][4], const float* m) const {
+    float acc = 0.f;
+    #pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = sr0 + mt * MSTEP + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
+          if (r < Dk && c < dv_here) acc = fmaf(x[mt][nt][e], m[(rtk_i64)(v0 + c) * Dk + r], acc);
+        }
+    return acc;
+  }
   __device__ __forceinline__ void load(float (&s_acc)[MT][NT][4], const float* init_state) const {
     elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {
       s_acc[mt][nt][e] = (init_state != nullptr && real) ? init_state[off] : 0.f;

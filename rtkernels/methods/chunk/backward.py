@@ -149,21 +149,22 @@ def _add_state_term(dst: torch.Tensor, x: torch.Tensor, m: torch.Tensor, lg: tor
 def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     log_decay: LogDecay, scale: float, initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
                     grad_state: Optional[torch.Tensor], need_state_grad: bool, dtype: torch.dtype,
-                    dlog_partials: Optional[torch.Tensor] = None
+                    dlog_partials: Optional[torch.Tensor] = None, dlog_g: Optional[torch.Tensor] = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The three passes of the module docstring, each ``run(q, k, v, log_decay, scale, out,
     initial_state, need_state, reverse)`` (a forward pass into ``out``; :func:`forward_pass` here,
     the packed one for ``cu_seqlens``): ``(dq, dk, dv, scale gamma R or None, log(gamma) or None)``,
     dq, dk, dv in ``dtype``, R the dv pass's final state (the start of dS_0, without the G term),
     log(gamma) in the compute dtype where the G terms or dS_0 need it. ``dlog_partials``: the dq
-    pass also writes its partial sums of dlog(gamma) there (``run`` then takes ``dlog=(q, it)``)."""
+    pass also writes its partial sums of dlog(gamma) there (``run`` then takes ``dlog=(q, it,
+    dlog_g)``), with the term of the final state's gradient ``dlog_g`` (fp32 contiguous) if given."""
     cdt = compute_dtype(q.dtype)
     dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
     if dlog_partials is None:
         run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False)
     else:
-        run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, dlog=(q, dlog_partials))
+        run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, dlog=(q, dlog_partials, dlog_g))
     run(v, grad_out, q, log_decay, scale, dk, None, False, True)
     back = run(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True)
     # log(gamma) in torch only where the state terms need it (a device decay costs several ops)
@@ -187,7 +188,7 @@ class _PlannedBackward(NamedTuple):
         passes = iter(self.passes)
 
         def run(q, k, v, log_decay_, scale, out, initial_state, need_state, reverse, dlog=None):
-            extra = {} if dlog is None else {"dlog": (dlog[0].data_ptr(), dlog[1].data_ptr())}
+            extra = {} if dlog is None else {"dlog": (dlog[0].data_ptr(), dlog[1].data_ptr(), 0)}
             return next(passes)(q, k, v, out, initial_state, decay_ptr=decay, **extra)
         return run
 
@@ -250,8 +251,9 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
                                 fp32_precision, on_kernel, dlog)
 
     partials = None if sums is None else sums.buffer()
+    g_fp32 = None if sums is None or grad_state is None else grad_state.to(torch.float32).contiguous()
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
-                                           need_state_grad, q.dtype if on_kernel else cdt, partials)
+                                           need_state_grad, q.dtype if on_kernel else cdt, partials, g_fp32)
     if grad_state is not None:
         g_state = grad_state.to(cdt)
         _add_state_term(dk, v, g_state.transpose(-1, -2), lg)

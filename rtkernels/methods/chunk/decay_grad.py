@@ -205,9 +205,9 @@ def dq_pass_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: to
     """Whether the backward's dq pass over these ``[B, H, N, D]`` views (16-bit CUDA tensors the
     chunk kernel takes) can sum dlog(gamma) itself (module docstring): bf16, every row 16-byte
     aligned, q and k with one set of strides (the pass reads q with the strides of its values, k),
-    Dv <= 128, a GPU that runs the wgmma kernel, and no gradient of the final state (its term
-    needs W at the end; this kernel adds it)."""
-    return (q.is_cuda and grad_state is None and q.stride() == k.stride() and q.stride(-1) == 1
+    Dv <= 128 and a GPU that runs the wgmma kernel. A gradient of the final state (``grad_state``)
+    is no obstacle: the CTA that ends the sequence adds its term <G, W_end>."""
+    return (q.is_cuda and q.stride() == k.stride() and q.stride(-1) == 1
             and all(aligned(x) for x in (q, k, v, grad_out))
             and dlog_config(q.dtype, v.shape[-1], True) is not None
             and _wgmma_ok(q.device.index, current_overrides()))

@@ -14,7 +14,7 @@ from ...autotune.space import Config, Limits, Problem
 from ...decay import LogDecay
 from ...jit import get_function, launch as _launch_kernel
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
-from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, SEG_SCAN_SOURCE, STATES_SOURCE, Launch, _sm_count,
+from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE, STATES_SOURCE, Launch, _sm_count,
                    _smem_limit, aligned, current_overrides, dlog_launch, fold_parts, key_pieces, packed_launch,
                    plan_launch, split, states_config, states_name, states_smem_bytes, tuned_launch)
 
@@ -68,8 +68,8 @@ class ChunkLaunch:
     (device tensors: they go into the struct parameter, packed per call).
 
     ``dlog``: the instance that also sums dlog(gamma) (:func:`.plan.dlog_launch`; the backward's dq
-    pass); each call then takes ``dlog``, the addresses of x and of the ``[segments * rows, Dv / 64,
-    H]`` float32 partial sums. Split into segments, its states pass also carries W = dS/dlog(gamma)
+    pass); each call then takes ``dlog``, the addresses of x, of the ``[segments * rows, Dv / 64,
+    H]`` float32 partial sums and of the final state's gradient (fp32, contiguous; 0: none). Split into segments, its states pass also carries W = dS/dlog(gamma)
     (twice the slots).
     """
 
@@ -123,17 +123,17 @@ class ChunkLaunch:
             self.slots = ((nseg - 1) * parts + 1) * (2 if dlog else 1)
             sfn = get_function(STATES_SOURCE, states_name(sc), dev, dynamic_smem=ssmem)
             self.states = sfn.bind((bh, -(-dv // sc[2]), (nseg - 1) * parts), block, ssmem, dev, FWD_POINTERS,
-                                   (*tail, fold_len, 0, fold_len, 0, 0, 0, 0, 0))
+                                   (*tail, fold_len, 0, fold_len, *NO_EXTRAS))
         mode_k = MODE_FOLD if fold else MODE_FUSED
         if sequences or dlog:  # addresses that change per call: the struct is packed at each launch
             self.packed = (fn, grid, block, smem, dev, (*tail, seg_len, mode_k, fold_len), int(reverse))
             self.fused = None
             return
         # head: q, k, v, out, log-decay, initial state, final state pointers; no packed sequences
-        self.fused = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, mode_k, fold_len, 0, 0, 0, 0, 0))
+        self.fused = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, mode_k, fold_len, *NO_EXTRAS))
         if nseg > 1 and not fold:  # the fused kernel's states-only mode and the scan kernel
             self.states = fn.bind(grid, block, smem, dev, FWD_POINTERS,
-                                  (*tail, seg_len, MODE_STATES, fold_len, 0, 0, 0, 0, 0))
+                                  (*tail, seg_len, MODE_STATES, fold_len, *NO_EXTRAS))
             total = bh * dk * dv
             # head: segment states, entering states, initial state, final state, log-decay pointers
             self.scan = get_function(SEG_SCAN_SOURCE, "rtk_chunk_seg_scan", dev).bind(
@@ -143,12 +143,13 @@ class ChunkLaunch:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None,
                  decay_ptr: Optional[int] = None, seqs: Optional[tuple[int, int]] = None,
-                 dlog: Optional[tuple[int, int]] = None) -> Optional[torch.Tensor]:
+                 dlog: Optional[tuple[int, int, int]] = None) -> Optional[torch.Tensor]:
         """Launch on new tensors; ``decay``: a CUDA decay tensor of the planned dtype and stride in
         place of the planned one (the cached call's), or ``decay_ptr``, the address of one (a
         :meth:`LogDecay.kernel_arg` of the planned mode); neither: the planned decay. ``seqs``: the
         packed sequences' (offsets, validity flag) addresses, for a launch planned with ``sequences``;
-        ``dlog``: the (x, partial sums) addresses, for a launch planned with ``dlog``."""
+        ``dlog``: the (x, partial sums, final-state gradient or 0) addresses, for a launch planned
+        with ``dlog``."""
         s0 = initial_state
         if s0 is not None and (s0.dtype != torch.float32 or not s0.is_contiguous()):
             s0 = s0.to(torch.float32).contiguous()
@@ -171,7 +172,7 @@ class ChunkLaunch:
         if self.packed is not None:
             fn, grid, block, smem, dev, tail, rev = self.packed
             _launch_kernel(fn, grid, block, (qp, kp, vp, op, dp, s0p, fp, *tail, *(seqs or (0, 0)), rev,
-                                             *(dlog or (0, 0))), dev, smem, pointers=FWD_POINTERS)
+                                             *(dlog or (0, 0, 0))), dev, smem, pointers=FWD_POINTERS)
             return final
         if self.scan is None:
             self.fused(qp, kp, vp, op, dp, s0p, fp)
@@ -280,7 +281,8 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool, fp32_precision: str = "exact", *, reverse: bool = False,
                    packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                   dlog: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+                   dlog: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None
+                   ) -> Optional[torch.Tensor]:
     """One fused pass, or with few (batch, head, value-tile) CTAs the split-sequence strategy:
     a states-only pass (``rtk_chunk_states`` for 16-bit inputs, which skips the last segment; the
     fused kernel's states-only mode plus a scan kernel for fp32), then the fused pass per segment
@@ -298,11 +300,12 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     per (sequence, head), one segment, states ``[S, H, Dk, Dv]``. A reversed pass reads sequence s
     from its last token to its first.
 
-    ``dlog``: ``(x, partial)``, the backward's dq pass of a trainable decay (not reversed): the
+    ``dlog``: ``(x, partial, g)``, the backward's dq pass of a trainable decay (not reversed): the
     DLOG instance (:func:`.plan.dlog_launch`, whose :func:`.plan.dlog_config` must exist for these
     operands), which also writes each CTA's share of dlog(gamma) into ``partial`` (``[segments *
     rows, Dv / 64, H]`` float32, :func:`.decay_grad.dq_pass_partials`; :mod:`.decay_grad` sums it);
-    x has v's shape and strides.
+    x has v's shape and strides; g, the gradient of the forward's final state (fp32 contiguous
+    ``[rows, H, Dv, Dk]`` in this pass's terms) or None, adds its term <g, W_end>.
 
     The plan is kept by call signature (:func:`pass_launcher`), so a repeated pass costs its launches."""
     q, k, v = unit_stride(q, k, v)
@@ -314,4 +317,4 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     if dlog is None:
         return launcher(q, k, v, out, initial_state, decay_ptr=decay, seqs=seqs)
     return launcher(q, k, v, out, initial_state, decay_ptr=decay, seqs=seqs,
-                    dlog=(dlog[0].data_ptr(), dlog[1].data_ptr()))
+                    dlog=(dlog[0].data_ptr(), dlog[1].data_ptr(), 0 if dlog[2] is None else dlog[2].data_ptr()))

@@ -25,11 +25,10 @@ the host: a call never syncs and can be captured in a CUDA graph.
   R[s] + gamma^(len_s) G[s]`` with R the dv pass's final states.
 - A decay that requires grad: dlog(gamma) comes from the backward's dq pass, which sums it per
   (sequence, head, tile of Dk) CTA (:func:`.decay_grad.dq_pass_sums`, the DLOG instance: S and
-  W = dS/dlog(gamma) restart at every sequence, W from 0), one row of partial sums per sequence,
-  added per head by the sum kernel. Taken where that pass runs (bf16, 16-byte rows, wgmma) and the
-  call returns no final state (the gradient of a returned state adds <G, W> at each sequence's
-  end, which that pass does not give); otherwise, as every other call the kernels do not take,
-  the whole call runs the torch path of :mod:`rtkernels.varlen`.
+  W = dS/dlog(gamma) restart at every sequence, W from 0; the CTA ending sequence s adds <G[s], W>
+  for a used final state), one row of partial sums per sequence, added per head by the sum kernel.
+  Taken where that pass runs (bf16, 16-byte rows, wgmma); otherwise, as every other call the
+  kernels do not take, the whole call runs the torch path of :mod:`rtkernels.varlen`.
 
 Precision is that of the ordinary kernel call per sequence (16-bit operands and state copy, fp32
 state); outputs and gradients agree with one call per sequence to the input dtype's rounding.
@@ -54,15 +53,14 @@ __all__ = ["takes", "offsets", "packed_attention", "packed_backward", "forward_p
 GATHER_BYTES = 1 << 27
 
 
-def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, need_state: bool = False) -> bool:
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay) -> bool:
     """Whether a packed call on these ``[1, H, N, D]`` views runs the kernels: CUDA fp16/bf16/fp32 the
     chunk kernel takes (:func:`.backward.kernel_runs`), N > 0, and a decay without autograd history
     or one whose gradient the dq pass sums (module docstring: :func:`.decay_grad.dq_pass_sums` for
-    these views, Dv a multiple of 8 so that a contiguous output gradient has 16-byte rows too, and
-    no final state returned, ``need_state`` False)."""
+    these views, Dv a multiple of 8 so that a contiguous output gradient has 16-byte rows too)."""
     if q.shape[2] == 0 or not kernel_runs(q, k, v):
         return False
-    return log_decay.source is None or (not need_state and v.shape[-1] % 8 == 0 and dq_pass_sums(q, k, v, v, None))
+    return log_decay.source is None or (v.shape[-1] % 8 == 0 and dq_pass_sums(q, k, v, v, None))
 
 
 def offsets(cu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,23 +183,22 @@ def packed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``(dq, dk, dv, dS_0 or None, d_decay or None)`` of a packed call (module docstring): dq, dk, dv
     in the input dtype with the strides of q, k, v where dense, dS_0 ``[S, H, Dk, Dv]`` in fp32;
-    with ``need_decay_grad`` (no ``grad_state``; :func:`takes` held), dL/d(``log_decay.source``),
-    ``[H]`` float32, summed by the dq pass."""
+    with ``need_decay_grad`` (:func:`takes` held), dL/d(``log_decay.source``), ``[H]`` float32,
+    summed by the dq pass (with the final states' term when ``grad_state`` is given)."""
     cdt = compute_dtype(q.dtype)
-    sums = partials = None
+    sums = partials = g_fp32 = None
     if need_decay_grad:
-        if grad_state is not None:
-            raise ValueError("the packed kernels sum dlog(gamma) only for calls that return no final state")
         if not dq_pass_sums(q, k, v, grad_out, None):  # e.g. a gradient of other strides: 16-byte rows
             grad_out = grad_out.contiguous()
         sums = PartialSums(q, v, log_decay, packed[0].shape[0] - 1)
         partials = sums.buffer()
+        g_fp32 = None if grad_state is None else grad_state.to(torch.float32).contiguous()
 
     def run(*args, **kw):  # one kernel pass over the same sequences
         return forward_pass(*args, fp32_precision, packed, **kw)
 
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
-                                           need_state_grad, q.dtype, partials)
+                                           need_state_grad, q.dtype, partials, g_fp32)
     if grad_state is not None:
         cu64 = packed[0]
         g_state = grad_state.to(cdt)

@@ -368,8 +368,12 @@ MODE_FUSED, MODE_STATES, MODE_FOLD = 0, 1, 2
 #: holds them against the header): the segment length, the mode, the tokens per states-pass slot
 #: (:func:`fold_parts`; read in RTK_MODE_FOLD), and the packed sequences' offsets
 #: address (0: none), the address of their validity flag, whether the launch is reversed, and for
-#: the DLOG instances (:func:`dlog_config`) the addresses of x and of the partial sums (0 elsewhere).
-CHUNK_FIELDS = ("seg_len", "mode", "fold_len", "cu_seqlens", "cu_valid", "cu_reverse", "dlog_x", "dlog_out")
+#: the DLOG instances (:func:`dlog_config`) the addresses of x, of the partial sums and of the final
+#: state's gradient (0 elsewhere, and for no such gradient).
+CHUNK_FIELDS = ("seg_len", "mode", "fold_len", "cu_seqlens", "cu_valid", "cu_reverse", "dlog_x", "dlog_out",
+                "dlog_g")
+#: The fields after (seg_len, mode, fold_len) of a launch with none of them set.
+NO_EXTRAS = (0,) * (len(CHUNK_FIELDS) - 3)
 
 
 class Launch(NamedTuple):
