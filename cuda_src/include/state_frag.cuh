@@ -35,8 +35,11 @@ struct rtk_chunk_state {
   int sr0, g, t4, bh, Dk, Dv, v0, dv_here;
   rtk_i64 state_slot;
 
+  // the row and the column (within the tile) of element e of fragment (mt, nt)
+  __device__ __forceinline__ int row(int mt, int e) const { return sr0 + mt * MSTEP + g + (e >> 1) * 8; }
+  __device__ __forceinline__ int col(int nt, int e) const { return nt * 8 + 2 * t4 + (e & 1); }
   __device__ __forceinline__ bool at(int mt, int nt, int e, rtk_i64& off) const {
-    const int r = sr0 + mt * MSTEP + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
+    const int r = row(mt, e), c = col(nt, e);
     off = state_slot + ((rtk_i64)bh * Dk + r) * Dv + v0 + c;
     return r < Dk && c < dv_here;
   }
@@ -58,15 +61,9 @@ struct rtk_chunk_state {
   // forward's state, whose final-state gradient G is [Dk_forward = Dv, Dv_forward = Dk] here)
   __device__ __forceinline__ float dot_transposed(const float (&x)[MT][NT][4], const float* m) const {
     float acc = 0.f;
-    #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = sr0 + mt * MSTEP + g + (e >> 1) * 8, c = nt * 8 + 2 * t4 + (e & 1);
-          if (r < Dk && c < dv_here) acc = fmaf(x[mt][nt][e], m[(rtk_i64)(v0 + c) * Dk + r], acc);
-        }
+    elems([&](int mt, int nt, int e, rtk_i64, bool real) {
+      if (real) acc = fmaf(x[mt][nt][e], m[(rtk_i64)(v0 + col(nt, e)) * Dk + row(mt, e)], acc);
+    });
     return acc;
   }
   __device__ __forceinline__ void load(float (&s_acc)[MT][NT][4], const float* init_state) const {
