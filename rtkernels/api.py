@@ -433,8 +433,7 @@ def causal_linear_attention(
                 launcher = m.kernel_prepare(qt, kt, vt, log_decay, scale, out_view, return_state,
                                             fp32_precision=fp32_precision)
             given = (qt, kt, vt) if layout == "bhnd" else (t.transpose(1, 2) for t in (qt, kt, vt))
-            # a new output from the Function (``out`` above was the plan's template, contiguous alike)
-            out, state = attention_with_grad(name, *given, log_decay, scale, None, layout, s0, return_state,
+            out, state = attention_with_grad(name, *given, log_decay, scale, out, layout, s0, return_state,
                                              fp32_precision, launcher)
             if launcher is not None:
                 device_decay = log_decay.raw is not None

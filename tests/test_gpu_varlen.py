@@ -525,3 +525,23 @@ def test_trainable_decay_elsewhere_runs_the_torch_path(monkeypatch, case):
                                "bhnd", lens=(65, 0, 200))
     (want,) = torch.autograd.grad(ref.sum(), [g])
     assert_close(got, want, torch.bfloat16, "dgamma vs fp64 reference", 265)
+
+
+def test_kernel_path_trainable_decay_unaligned_output_gradient(kernel_path):
+    """dL/do given as a contiguous view 2 bytes off 16-byte alignment: the dq pass that sums
+    dlog(gamma) reads it by 16-byte copies, so it takes an aligned copy; the gradients match those
+    from an aligned dL/do (to bf16 rounding: the other passes may take unaligned kernels)."""
+    q, k, v, _, gamma = kernel_inputs(torch.bfloat16, 64, 96, "bhnd", seed=8)
+    g = torch.randn(q.shape[:3] + (96,), generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
+    shifted = torch.empty(g.numel() + 1, dtype=g.dtype, device="cuda")[1:].view(g.shape)
+    shifted.copy_(g)
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16
+
+    def grads(dout):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, gamma)]
+        out = rtkernels.causal_linear_attention(*leaves, cu_seqlens=offsets(KLENS))
+        return torch.autograd.grad(out, leaves, dout)
+
+    for name, a, b in zip(("dq", "dk", "dv", "dgamma"), grads(g), grads(shifted)):
+        assert torch.isfinite(b).all()
+        assert_close(b, a.double(), torch.bfloat16, f"{name}: unaligned dL/do vs aligned", KN)

@@ -35,9 +35,10 @@
 //   W = gamma^len (W + len S) + sum_s (len-1-s) gamma^(len-1-s) k_s^T v_s,
 // and published as a 16-bit copy like S's. With a final-state gradient G (p.dlog_g), the CTA
 // that ends the sequence adds <G, W_end> over its tile: W's fp32 registers dotted by the state
-// warps. Each CTA writes one float to dlog_out[segment][row][tile][h]; rtkernels/methods/chunk/decay_grad.py has the math and the sum
-// over the CTAs. Split into segments (RTK_MODE_FOLD), a CTA starts from S and W entering its
-// segment, which rtk_chunk_states<..., DLOG> leaves in the slots (rtk_chunk_state::fold_with).
+// warps. Each CTA writes one float to dlog_out[segment][row][tile][h];
+// rtkernels/methods/chunk/decay_grad.py has the math and the sum over the CTAs. Split into
+// segments (RTK_MODE_FOLD), a CTA starts from S and W entering its segment, which
+// rtk_chunk_states<..., DLOG> leaves in the slots (rtk_chunk_state::fold_with).
 
 #include "../include/copy.cuh"
 #include "../include/mma_sm80.cuh"

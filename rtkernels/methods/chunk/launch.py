@@ -69,8 +69,8 @@ class ChunkLaunch:
 
     ``dlog``: the instance that also sums dlog(gamma) (:func:`.plan.dlog_launch`; the backward's dq
     pass); each call then takes ``dlog``, the addresses of x, of the ``[segments * rows, Dv / 64,
-    H]`` float32 partial sums and of the final state's gradient (fp32, contiguous; 0: none). Split into segments, its states pass also carries W = dS/dlog(gamma)
-    (twice the slots).
+    H]`` float32 partial sums and of the final state's gradient (fp32, contiguous; 0: none). Split
+    into segments, its states pass also carries W = dS/dlog(gamma) (twice the slots).
     """
 
     __slots__ = ("fused", "states", "scan", "device", "log_decay", "decay_ptr", "nseg", "slots", "state_shape",

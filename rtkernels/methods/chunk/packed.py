@@ -46,6 +46,7 @@ from ...jit.dtypes import compute_dtype
 from . import launch
 from .backward import gradient_passes, kernel_runs
 from .decay_grad import PartialSums, dq_pass_sums
+from .plan import aligned
 
 __all__ = ["takes", "offsets", "packed_attention", "packed_backward", "forward_pass", "GATHER_BYTES"]
 
@@ -74,7 +75,8 @@ def offsets(cu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                  out: torch.Tensor, initial_state: Optional[torch.Tensor], need_state: bool, reverse: bool,
                  fp32_precision: str, packed: tuple[torch.Tensor, torch.Tensor],
-                 dlog: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+                 dlog: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None
+                 ) -> Optional[torch.Tensor]:
     """One kernel pass over the packed sequences (:func:`.launch.kernel_forward` with ``packed``):
     ``out`` written, the ``[S, H, Dk, Dv]`` fp32 final states returned when ``need_state``; ``dlog``:
     the dq pass that also sums dlog(gamma), as for that function."""
@@ -188,8 +190,8 @@ def packed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     cdt = compute_dtype(q.dtype)
     sums = partials = g_fp32 = None
     if need_decay_grad:
-        if not dq_pass_sums(q, k, v, grad_out, None):  # e.g. a gradient of other strides: 16-byte rows
-            grad_out = grad_out.contiguous()
+        if not aligned(grad_out):  # the pass reads dL/do by 16-byte copies; a fresh one is aligned
+            grad_out = grad_out.clone(memory_format=torch.contiguous_format)  # (takes(): Dv % 8 == 0)
         sums = PartialSums(q, v, log_decay, packed[0].shape[0] - 1)
         partials = sums.buffer()
         g_fp32 = None if grad_state is None else grad_state.to(torch.float32).contiguous()
