@@ -52,3 +52,21 @@ out = torch.empty_like(v)
 print(f"  torch.empty                   {tm(lambda: torch.empty(hit.out_shape, dtype=hit.dtype, device=hit.device)):.1f}")
 print(f"  launcher                      {tm(lambda: hit.launcher(q, k, v, out, None)):.1f}")
 print(f"  nothing                       {tm(lambda: None):.1f}")
+
+
+class Bare(torch.autograd.Function):  # the floor of any Python autograd Function on this host
+    @staticmethod
+    def forward(ctx, q, k, v, g):
+        ctx.save_for_backward(q, k, v)
+        return torch.empty_like(v)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None, None, None
+
+
+xs = [x.clone().requires_grad_() for x in (q, k, v)]
+gp = torch.nn.Parameter(g.cuda())
+print(f"bare autograd.Function.apply    {tm(lambda: Bare.apply(*xs, gp)):.1f}")
+raw = torch._C._FunctionBase.__dict__["apply"].__get__(None, Bare)
+print(f"bare Function, C entry point    {tm(lambda: raw(*xs, gp)):.1f}")
