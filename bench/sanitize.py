@@ -202,7 +202,7 @@ def _hopper() -> bool:
     return _torch().cuda.get_device_capability() == (9, 0)
 
 
-def _drive_fwd16(wgmma: bool, bv: Optional[int] = None) -> Optional[str]:
+def _drive_fwd16(wgmma: bool, bv: Optional[int] = None, stages: Optional[int] = None) -> Optional[str]:
     from rtkernels.methods import chunk
 
     torch = _torch()
@@ -211,7 +211,9 @@ def _drive_fwd16(wgmma: bool, bv: Optional[int] = None) -> Optional[str]:
     shapes = [(2, 3, 131, 40, 72), (1, 2, 100, 128, 128)]
     if not wgmma:  # KMAX 256 (the wgmma kernel takes Dk <= 128) and more CTAs than SMs (MINB 2)
         shapes += [(1, 2, 70, 200, 33), (2, 70, 65, 16, 128)]
-    with chunk.override(wgmma=wgmma, bv=bv, segments=1):
+    if stages == 3:  # three stages: the chunk loop's stage cycle (c % 3) over 2 to 5 chunks
+        shapes = [(2, 3, 131, 40, 72), (1, 2, 300, 128, 128), (1, 1, 257, 64, 64)]
+    with chunk.override(wgmma=wgmma, bv=bv, segments=1, stages=stages):
         for dt in (torch.float16, torch.bfloat16):
             for i, s in enumerate(shapes):
                 _forward(*_qkv(*s, dt, seed=i), "chunk", f"fwd16 {s} {dt}", state=i % 2 == 1)
@@ -447,6 +449,8 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
                   "chunk/fwd16.cu, mma.sync, one pass, MINB 1 and 2, KMAX 64-256, VEC on/off"),
     "fwd16-wgmma-bv64": (lambda: _drive_fwd16(True, 64), "chunk/fwd16.cu, wgmma, BV 64"),
     "fwd16-wgmma-bv128": (lambda: _drive_fwd16(True, 128), "chunk/fwd16.cu, wgmma, BV 128"),
+    "fwd16-wgmma-stages3": (lambda: (_drive_fwd16(True, 64, 3) or _drive_fwd16(True, 128, 3)),
+                            "chunk/fwd16.cu, wgmma, three tile stages, BV 64 and 128 (one output buffer)"),
     "split-states": (lambda: _drive_split(True), "chunk/states.cu + fwd16 folding its slots (3 segments; 2 of 2 slots)"),
     "split-segscan": (lambda: _drive_split(False), "fwd16 states-only pass + chunk/seg_scan.cu"),
     "f32-exact": (lambda: _drive_f32("exact"), "chunk/fwd_f32.cu 3xTF32, one pass and split (+ seg_scan)"),

@@ -1,5 +1,6 @@
 """Both kernels of ``chunk`` on the GPU (marker ``gpu``): the mma.sync kernel every GPU runs and, on
-compute capability 9.0, the wgmma kernel with each value-tile width, forced past the heuristic.
+compute capability 9.0, the wgmma kernel with each value-tile width and two or three tile stages,
+forced past the heuristic.
 The shared tests of test_gpu_methods.py run once per kernel variant here."""
 
 import pytest
@@ -12,15 +13,17 @@ import test_gpu_methods as base
 
 pytestmark = pytest.mark.gpu
 
-VARIANTS = {"mma": (False, None), "wgmma-bv64": (True, 64), "wgmma-bv128": (True, 128)}
+#: name -> (wgmma, BV, tile stages)
+VARIANTS = {"mma": (False, None, None), "wgmma-bv64": (True, 64, 2), "wgmma-bv128": (True, 128, 2),
+            "wgmma-bv64-stages3": (True, 64, 3), "wgmma-bv128-stages3": (True, 128, 3)}
 
 
 @pytest.fixture(params=sorted(VARIANTS))
 def variant(request, monkeypatch):
-    wg, bv = VARIANTS[request.param]
+    wg, bv, stages = VARIANTS[request.param]
     if wg and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
-    force_chunk(monkeypatch, wgmma=wg, bv=bv)
+    force_chunk(monkeypatch, wgmma=wg, bv=bv, stages=stages)
     return request.param
 
 

@@ -4,7 +4,7 @@ A kernel that carries its state across a chunk boundary with gamma^(C+1) instead
 across a segment boundary, or steps a token with gamma^2) still produces plausible numbers: at
 gamma close to 1 the rows after each boundary are off by about 1 - gamma of their size, which a
 global relative error averages away. These tests run every variant of every kernel -- the chunk
-kernel's mma.sync and wgmma value tiles (64, 128), tuned tile widths, the split-sequence strategy
+kernel's mma.sync and wgmma value tiles (64, 128) with two or three tile stages, tuned tile widths, the split-sequence strategy
 with the dedicated states kernel and with the states-only pass + seg_scan, both float32 modes, the
 kernel backward's three passes and the dlog(gamma) kernel at both tile widths, the scan, fleet
 and block kernels -- at gamma in {0.9, 0.99} over shapes of several chunks and segments, and at
@@ -102,10 +102,13 @@ VARIANTS = {
     "chunk-mma-bv32": _v("chunk", config={"wgmma": False, "bv": 32, "segments": 1}),
     "chunk-wgmma-bv64": _v("chunk", wgmma=True, bv=64, segments=1, hopper=True),
     "chunk-wgmma-bv128": _v("chunk", wgmma=True, bv=128, segments=1, hopper=True),
+    "chunk-wgmma-bv64-stages3": _v("chunk", wgmma=True, bv=64, segments=1, stages=3, hopper=True),
+    "chunk-wgmma-bv128-stages3": _v("chunk", wgmma=True, bv=128, segments=1, stages=3, hopper=True),
     # 16-bit split sequence: rtk_chunk_states + the folding pass, or states-only pass + seg_scan
     "chunk-mma-split3": _v("chunk", wgmma=False, segments=3),
     "chunk-mma-split3-segscan": _v("chunk", wgmma=False, segments=3, dedicated_states=False),
     "chunk-wgmma-bv128-split3": _v("chunk", wgmma=True, bv=128, segments=3, hopper=True),
+    "chunk-wgmma-bv128-split3-stages3": _v("chunk", wgmma=True, bv=128, segments=3, stages=3, hopper=True),
     "chunk-wgmma-bv64-split7": _v("chunk", wgmma=True, bv=64, segments=7, hopper=True),
     # float32 kernel: both modes, both tile widths, one pass and split (states-only pass + seg_scan)
     "chunk-f32-exact": _v("chunk", segments=1, precision="exact", dtypes=_F32),

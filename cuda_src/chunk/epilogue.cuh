@@ -67,13 +67,14 @@ __device__ __forceinline__ void rtk_chunk_store_rows(typename rtk_io<DT>::T* ob,
 // As rtk_chunk_store_rows for whole tiles whose rows start on 16 bytes (sm_90+): the warp puts
 // its 16 rows into buffer `stage` (shared address, rows of OS elements; the warp's own rows, so
 // no barrier beyond the warp) with stmatrix, and lanes 0..15 each send one row with a bulk copy,
-// committed as one group per lane and chunk. Before refilling a buffer, the copies that read it
-// two chunks before must be done (wait_read<1>); the kernel waits for all before it ends.
-template <int DT, int NT, int OS>
+// committed as one group per lane and chunk. The kernel cycles through NBUF buffers, so before
+// refilling one, the copies that read it NBUF chunks before must be done (wait_read<NBUF - 1>);
+// it waits for all before it ends.
+template <int DT, int NT, int OS, int NBUF = 2>
 __device__ __forceinline__ void rtk_chunk_send_rows(typename rtk_io<DT>::T* ob, const float (&o_acc)[NT][4],
                                                     rtk_u32 stage, int n0, int r0, int lane, int len,
                                                     rtk_i64 o_sn, int v0) {
-  rtk_bulk_wait_read<1>();
+  rtk_bulk_wait_read<NBUF - 1>();
   __syncwarp();
   const int m = lane >> 3;  // matrix m of each stmatrix: rows 8 (m & 1) .., n-tile 2 np + (m >> 1)
   const rtk_u32 at = stage + 2 * ((r0 + (m & 1) * 8 + (lane & 7)) * OS + (m >> 1) * 8);

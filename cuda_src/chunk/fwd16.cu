@@ -61,7 +61,8 @@
 // (the wgmma kernel): 128-byte-swizzled regions of 64 columns (rtk_swz_off), 1024-byte aligned,
 // the layout wgmma descriptors read. The *_off functions give the element offset of 16-byte
 // piece p of row r; KS and VS are the element step from one row to the next in the same piece.
-template <int KMAX, int BV, bool SW, bool DLOG = false>
+// STAGES stages of q/k/v tiles (2, or 3 on the wgmma kernel).
+template <int KMAX, int BV, bool SW, bool DLOG = false, int STAGES = 2>
 struct rtk_chunk_smem {
   static constexpr int C = 64;
   static constexpr int KS = SW ? 64 : KMAX + 8;
@@ -71,12 +72,14 @@ struct rtk_chunk_smem {
   static constexpr int STAGE = X + (DLOG ? C * (SW ? BV : VS) : 0);
   // two 16-bit copies of the state, KMAX x BV each: the state entering chunk c in copy c % 2;
   // KMAX 256 keeps one (its tiles fill the 163 KB of an A100), written after an extra barrier
-  static constexpr int S = 2 * STAGE, SCOPY = KMAX * (SW ? BV : VS), NCOPY = KMAX == 256 ? 1 : 2;
-  // SW only: two buffers of the chunk's 64 output rows on their way to global memory (rows of
-  // BV + 8 elements: conflict-free stmatrix, 16-byte aligned rows for the bulk copies)
+  static constexpr int S = STAGES * STAGE, SCOPY = KMAX * (SW ? BV : VS), NCOPY = KMAX == 256 ? 1 : 2;
+  // SW only: OBUF buffers of the chunk's 64 output rows on their way to global memory (rows of
+  // BV + 8 elements: conflict-free stmatrix, 16-byte aligned rows for the bulk copies); two, but
+  // one where a third tile stage leaves no room for two (BV 128: 231,464 of 232,448 bytes)
   static constexpr int W = S + NCOPY * SCOPY;  // DLOG: the copies of W, as those of S
   static constexpr int OS = BV + 8, O = W + (DLOG ? NCOPY * SCOPY : 0);
-  static constexpr int ELEMS = O + (SW ? 2 * C * OS : 0);
+  static constexpr int OBUF = (O + 2 * C * OS) * 2 + 40 + 1024 <= 227 * 1024 ? 2 : 1;
+  static constexpr int ELEMS = O + (SW ? OBUF * C * OS : 0);
   static constexpr int ALIGN = SW ? 1024 : 0;            // slack for aligning the base
   // + fp16 scaling: max|S| of the 4 state warps, 2 slots; + rtk_cta_sync_or's ring (2 words)
   static constexpr int BYTES = ELEMS * 2 + 32 + 8 + ALIGN;
@@ -92,7 +95,10 @@ struct rtk_chunk_smem {
 // computes the chunk with wgmma (q k^T and q S from shared memory, P v with P from registers);
 // otherwise each output warp uses mma.sync on its 16 rows.
 // DLOG: see the header (16-byte aligned rows, wgmma, bf16, BV 64, not RTK_MODE_STATES).
-template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG, bool DLOG = false>
+// STAGES: chunks of q/k/v tiles in shared memory, 2 (loads of chunk c + 1 in flight while chunk c
+// is computed) or, on the wgmma kernel without DLOG, 3 (chunks c + 1 and c + 2 in flight: twice
+// the bytes a CTA keeps in flight, for GPUs whose memory latency times bandwidth per SM needs it).
+template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG, bool DLOG = false, int STAGES = 2>
 __global__ void __launch_bounds__(256, MINB)
 rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p) {
   RTK_FWD_SHAPE(p.f);
@@ -100,7 +106,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   const rtk_i64 seg_len = p.seg_len;
   const int mode = (int)p.mode;
   const bool states_only = mode == RTK_MODE_STATES;
-  typedef rtk_chunk_smem<KMAX, BV, WG, DLOG> L;
+  typedef rtk_chunk_smem<KMAX, BV, WG, DLOG, STAGES> L;
   // A second CTA barrier per chunk, before the state warps write the next state copy: with one
   // copy (KMAX 256), and for fp16, whose copy is scaled by the 4 state warps' common maximum
   // (a barrier of the state warps alone would do, but compute-sanitizer's racecheck reported
@@ -114,6 +120,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   static_assert(!WG || (KMAX <= 128 && BV % 64 == 0), "bad wgmma tile");
   // (the W copy would need fp16's scaling of the S copy; bf16 has the range)
   static_assert(!DLOG || (WG && VEC && BV == 64 && DT == RTK_BF16), "bad dlog tile");
+  static_assert(STAGES == 2 || (STAGES == 3 && WG && VEC && !DLOG), "bad stages");
+  static_assert(L::BYTES <= 227 * 1024, "shared memory");
 
   extern __shared__ __align__(16) unsigned char smem_base[];
   constexpr rtk_u32 AL = L::ALIGN > 0 ? L::ALIGN : 1;
@@ -180,11 +188,11 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   auto end_period = [&](int next) -> bool {
     bool my_bad = false;
     if (!out_warp) {
-      rtk_cp_async_wait<0>();
+      rtk_cp_async_wait<STAGES - 2>();  // chunk `next` is in; the one after it may still be loading
       if (!VEC) rtk_named_sync(1, 128);  // the chunk was stored by other state warps
       if (next < nchunks) {
         // the v pieces of this thread's loader set: any Inf/NaN?
-        const rtk_u16* sV = sm + (next & 1) * L::STAGE + L::V;
+        const rtk_u16* sV = sm + (next % STAGES) * L::STAGE + L::V;
         #pragma unroll
         for (int u = 0; u < C / VROWS; ++u) {
           const uint4 x = *reinterpret_cast<const uint4*>(sV + L::v_off(vrow + u * VROWS, vcol >> 3));
@@ -203,8 +211,9 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
 
   // The two groups run separate loops (so neither holds the other's registers) and meet at one
   // barrier per chunk (end_period). In the period of chunk c the output warps compute its outputs
-  // from stage c % 2 and state copy c % 2, while the state warps load chunk c + 1 into the other
-  // stage, update S with chunk c and write the copy of S entering chunk c + 1 into the other copy.
+  // from stage c % STAGES and state copy c % 2, while the state warps load chunk c + STAGES - 1
+  // into the stage chunk c - 1 used, update S with chunk c and write the copy of S entering chunk
+  // c + 1 into the other copy.
   if (out_warp) {
     // ---- output warps: per-thread decay factors, fixed for the whole sequence -----------------
     const int w = warp, r0 = 16 * warp;  // this warp's rows r0 .. r0+15 of each chunk
@@ -221,9 +230,9 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     };
 
     for (int chunk = 0; chunk < nchunks; ++chunk) {
-      const int stage = chunk & 1;
-      if (DT == RTK_F16) s_inv = exp2f((float)-copy_exponent(stage));
-      const rtk_u32 sS_addr = rtk_smem_addr(sm + L::S + (L::NCOPY == 2 ? stage : 0) * L::SCOPY);
+      const int stage = chunk % STAGES, slot = chunk & 1;  // tiles; state copy
+      if (DT == RTK_F16) s_inv = exp2f((float)-copy_exponent(slot));
+      const rtk_u32 sS_addr = rtk_smem_addr(sm + L::S + (L::NCOPY == 2 ? slot : 0) * L::SCOPY);
       const int n0 = chunk * C;
       const int len = min(C, NS - n0);
       const rtk_u32 sQ_addr = rtk_smem_addr(sm + stage * L::STAGE + L::Q);
@@ -281,7 +290,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         rtk_wg_commit();
         float wacc[DLOG ? 32 : 1], xv[DLOG ? 32 : 1];  // DLOG: q W (rows of the W copy), x v^T
         if constexpr (DLOG) {
-          const rtk_u32 sW_addr = rtk_smem_addr(sm + L::W + stage * L::SCOPY);
+          const rtk_u32 sW_addr = rtk_smem_addr(sm + L::W + slot * L::SCOPY);
           const rtk_u32 sX_addr = rtk_smem_addr(sm + stage * L::STAGE + L::X);
           const unsigned long long dw = rtk_wg_desc(sW_addr, RTK_MN_LBO(KMAX * 128), RTK_MN_SBO(KMAX * 128));
           const unsigned long long dx = rtk_wg_desc(sX_addr, 16, 1024), dvk = rtk_wg_desc(sV_addr, 16, 1024);
@@ -420,8 +429,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
                                  [&](int s2, int c) -> int { return (sV[L::v_off(s2, c >> 3) + (c & 7)] & EXP) == EXP; });
       }
       if (WG && osend)
-        rtk_chunk_send_rows<DT, NT, L::OS>(ob, o_acc, rtk_smem_addr(sm + L::O + stage * C * L::OS), n0, r0, lane,
-                                           len, o_sn, v0);
+        rtk_chunk_send_rows<DT, NT, L::OS, L::OBUF>(ob, o_acc, rtk_smem_addr(sm + L::O + (chunk % L::OBUF) * C * L::OS),
+                                                     n0, r0, lane, len, o_sn, v0);
       else
         rtk_chunk_store_rows<DT>(ob, o_acc, n0, r0, g, t4, len, o_sn, v0, dv_here, ovec_full);
       v_bad = out_end(chunk);  // done with this stage and this state copy
@@ -490,13 +499,17 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       if (SERIAL) rtk_cta_sync();
       if (store) store_state_copy(slot);
     };
-    if (nchunks > 0) load_chunk(0, 0);  // none: an empty packed sequence
-    rtk_cp_async_commit();
+    #pragma unroll
+    for (int c = 0; c < STAGES - 1; ++c) {  // one commit group per chunk, loaded or not
+      if (c < nchunks) load_chunk(c, c);  // none: an empty packed sequence
+      rtk_cp_async_commit();
+    }
     next_copy(0, true);
     end_period(0);
     for (int chunk = 0; chunk < nchunks; ++chunk) {
-      const int stage = chunk & 1;
-      if (chunk + 1 < nchunks) load_chunk(chunk + 1, stage ^ 1);  // its stage was read in period c - 1
+      const int stage = chunk % STAGES, slot = chunk & 1;  // tiles; state copy
+      const int ahead = chunk + STAGES - 1;
+      if (ahead < nchunks) load_chunk(ahead, ahead % STAGES);  // its stage was read in period c - 1
       rtk_cp_async_commit();
       const int n0 = chunk * C;
       const int len = min(C, NS - n0);
@@ -568,7 +581,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       }
       // the copy of S entering chunk c + 1 (its buffer was read in period c - 1; with one copy,
       // after the output warps are done with it)
-      next_copy(stage ^ 1, chunk + 1 < nchunks);
+      next_copy(slot ^ 1, chunk + 1 < nchunks);
       end_period(chunk + 1);
     }
     const bool ends = mode != RTK_MODE_FOLD || blockIdx.z + 1 == gridDim.z;

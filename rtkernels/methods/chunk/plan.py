@@ -52,11 +52,12 @@ def _kmax(dk: int) -> int:
 
 def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, ctas: int = 0, sms: int = 1,
                   wgmma: bool = False, bv: Optional[int] = None, exact: bool = True,
-                  smem_limit: int = 0) -> Optional[tuple]:
+                  smem_limit: int = 0, stages: int = 2) -> Optional[tuple]:
     """Template arguments (DT, KMAX, BV, VEC, MINB, WG) of ``rtk_chunk_fwd`` for a grid of ``ctas``
     CTAs on a GPU with ``sms`` multiprocessors; ``wgmma``: the GPU runs sm_90a code (Hopper), so
     the wgmma output warpgroup is used where Dk <= 128; ``bv``: the value-tile width (the wgmma
-    kernel takes 64 or 128).
+    kernel takes 64 or 128); ``stages`` 3: the wgmma kernel with three chunk stages of tiles
+    (aligned rows only; the template then ends DLOG = false, STAGES = 3).
 
     For float32: (DT, KMAX, BV, STAGES, EXACT, VEC, MINB) of ``rtk_chunk_fwd_f32`` (see
     :func:`f32_config`; ``bv`` given: that width, with the stages that fit), or None when no tile
@@ -68,7 +69,8 @@ def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, ctas: int = 0
     kmax = _kmax(dk)
     wg = wgmma and kmax <= 128
     if wg:  # one CTA per SM: the wgmma kernel needs more than 128 registers a thread
-        return dtype_code(dtype), kmax, bv or 64, vec, 1, True
+        deep = (False, 3) if stages == 3 and vec else ()
+        return (dtype_code(dtype), kmax, bv or 64, vec, 1, True) + deep
     bv = bv or (32 if kmax == 256 or dv <= 32 else 64)
     return dtype_code(dtype), kmax, bv, vec, 1 if ctas <= sms else 2, False
 
@@ -122,8 +124,8 @@ def _states_configs() -> set[tuple]:
 def all_configs() -> list[tuple]:
     plain = {kernel_config(dt, dk, dv, vec, ctas, 1) for dt in (torch.float16, torch.bfloat16)
              for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True) for ctas in (1, 2)}
-    wg = {kernel_config(dt, dk, 128, vec, 1, 1, True, bv) for dt in (torch.float16, torch.bfloat16)
-          for dk in (64, 128) for vec in (False, True) for bv in (64, 128)}
+    wg = {kernel_config(dt, dk, 128, vec, 1, 1, True, bv, stages=st) for dt in (torch.float16, torch.bfloat16)
+          for dk in (64, 128) for vec in (False, True) for bv in (64, 128) for st in (2, 3)}
     dlog = {dlog_config(torch.bfloat16, dk, True) for dk in (64, 128)}
     return sorted(plain | wg | dlog | _f32_configs())
 
@@ -149,17 +151,21 @@ def name_expression(config: tuple) -> str:
     return "rtk_chunk_fwd<" + ", ".join(str(c).lower() for c in config) + ">"
 
 
-def smem_bytes(kmax: int, bv: int, wg: bool = False, dlog: bool = False) -> int:
-    """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in the kernel): two stages
-    of q/k/v tiles, two 16-bit state copies (one for KMAX 256), and with ``wg`` two buffers of output
-    rows; ``dlog`` (wgmma only): an x tile per stage and two copies of W."""
+def smem_bytes(kmax: int, bv: int, wg: bool = False, dlog: bool = False, stages: int = 2) -> int:
+    """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in the kernel): ``stages``
+    stages of q/k/v tiles, two 16-bit state copies (one for KMAX 256), and with ``wg`` two buffers
+    of output rows (one where two do not fit beside three stages); ``dlog`` (wgmma only): an x tile
+    per stage and two copies of W."""
     c = CHUNK_KERNEL
     copies = 1 if kmax == 256 else 2
-    if wg:  # 128-byte-swizzled tiles without padding, two output-row buffers (rows padded by 16
+    if wg:  # 128-byte-swizzled tiles without padding, output-row buffers (rows padded by 16
         # bytes), + slack to align the base to 1024 bytes
         x, w = (c * bv, copies * kmax * bv) if dlog else (0, 0)
-        return 2 * (2 * (2 * c * kmax + c * bv + x) + copies * kmax * bv + w + 2 * c * (bv + 8)) + 32 + 8 + 1024
-    return 2 * (2 * (2 * c * (kmax + 8) + c * (bv + 8)) + copies * kmax * (bv + 8)) + 32 + 8
+        head = stages * (2 * c * kmax + c * bv + x) + copies * kmax * bv + w
+        fixed = 32 + 8 + 1024
+        obuf = 2 if 2 * (head + 2 * c * (bv + 8)) + fixed <= SMEM_LIMIT_SM90 else 1
+        return 2 * (head + obuf * c * (bv + 8)) + fixed
+    return 2 * (stages * (2 * c * (kmax + 8) + c * (bv + 8)) + copies * kmax * (bv + 8)) + 32 + 8
 
 
 def f32_threads(exact: bool) -> int:
@@ -181,7 +187,12 @@ def config_smem(config: tuple) -> int:
     """Dynamic shared memory of a :func:`kernel_config` template, either kernel."""
     if _is_f32(config):
         return f32_smem_bytes(config[1], config[2], config[3])
-    return smem_bytes(config[1], config[2], config[5], len(config) > 6 and config[6])
+    return smem_bytes(config[1], config[2], config[5], len(config) > 6 and config[6], fwd_stages(config))
+
+
+def fwd_stages(config: tuple) -> int:
+    """Tile stages of a 16-bit :func:`kernel_config` template (its eighth argument, 2 if absent)."""
+    return config[7] if len(config) > 7 else 2
 
 
 # ---- float32: tiles that fit the device's shared memory ------------------------------------------
@@ -281,20 +292,22 @@ class Overrides:
     and the fused pass (False; float32 always takes the latter). ``key_pieces``: 16-bit inputs with
     Dk > :data:`KEY_PIECE` on the wgmma kernel as pieces of key columns (True, where wgmma runs),
     or the Dk-256 mma.sync kernel in one pass (False); None: the tuned config, else pieces where
-    wgmma runs."""
+    wgmma runs. ``stages``: chunk stages of q/k/v tiles of the wgmma kernel (2 or 3; 3 only where
+    every operand row is 16-byte aligned); None: :func:`default_stages`."""
 
     segments: Optional[int] = None
     wgmma: Optional[bool] = None
     bv: Optional[int] = None
     dedicated_states: bool = True
     key_pieces: Optional[bool] = None
+    stages: Optional[int] = None
 
     @property
     def steers_plan(self) -> bool:
-        """Whether the plan ignores the tuned config (a segment count, kernel, width or key split
-        is forced)."""
+        """Whether the plan ignores the tuned config (a segment count, kernel, width, key split or
+        stage count is forced)."""
         return self.segments is not None or self.wgmma is not None or self.bv is not None or \
-            self.key_pieces is not None
+            self.key_pieces is not None or self.stages is not None
 
 
 #: The :class:`Overrides` in force; :func:`override` sets it for a block (tests may also replace
@@ -460,7 +473,13 @@ def plan_launch(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: int
     bv = (overrides.bv or value_tile(dv, bh, n, sms)) if wg else _default_bv(dtype, dk, dv, limit)
     tiles = bh * -(-dv // bv)
     nseg = overrides.segments or segments_for(tiles, n, sms, ctas_per_sm(dtype, dk, bv, wg, limit, exact))
-    return _launch_of(kernel_config(dtype, dk, dv, vec, tiles * nseg, sms, wg, bv, exact, limit), nseg)
+    stages = overrides.stages or default_stages(dev)
+    return _launch_of(kernel_config(dtype, dk, dv, vec, tiles * nseg, sms, wg, bv, exact, limit, stages), nseg)
+
+
+def default_stages(dev: int) -> int:
+    """Tile stages of the wgmma forward kernel on device ``dev``: 2."""
+    return 2
 
 
 def packed_launch(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: int, dev: int,
