@@ -165,7 +165,7 @@ def test_stored_key_pieces_winner_runs_on_every_piece(monkeypatch, tmp_path, p):
     assert [dk for dk, _ in got] == [128, 128]
     for dk, lp in got:  # the d256 entry, not the pieces' own (dk128) bucket
         assert (lp.bv, lp.segments, lp.options) == (64, 4, plan.WGMMA_OPTIONS)
-        assert lp.name == "rtk_chunk_fwd<2, 128, 64, true, 1, true>"
+        assert lp.name == "rtk_chunk_fwd<2, 128, 64, true, 1, true, false, 3>"  # bf16 BV 64: three stages
 
 
 @pytest.mark.parametrize("p", [D256, RETNET], ids=lambda p: p.label())

@@ -68,5 +68,3 @@ class Bare(torch.autograd.Function):  # the floor of any Python autograd Functio
 xs = [x.clone().requires_grad_() for x in (q, k, v)]
 gp = torch.nn.Parameter(g.cuda())
 print(f"bare autograd.Function.apply    {tm(lambda: Bare.apply(*xs, gp)):.1f}")
-raw = torch._C._FunctionBase.__dict__["apply"].__get__(None, Bare)
-print(f"bare Function, C entry point    {tm(lambda: raw(*xs, gp)):.1f}")

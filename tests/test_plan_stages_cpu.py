@@ -1,0 +1,55 @@
+"""Which forward instances take three chunk stages of tiles (CPU: the plan only; the kernels run
+in test_gpu_chunk_kernels.py and test_gpu_variants_gamma.py)."""
+
+import pytest
+import torch
+
+from rtkernels.methods.chunk import plan
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """An H100-like device 0 for the plan: 132 SMs, 227 KiB of shared memory per CTA, sm_90a."""
+    monkeypatch.setattr(plan, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(plan, "_smem_limit", lambda dev: plan.SMEM_LIMIT_SM90)
+    monkeypatch.setattr(plan, "_is_sm90", lambda dev: True)
+    plan.plan_launch.cache_clear()
+    yield
+    plan.plan_launch.cache_clear()
+
+
+def _stages(name: str) -> int:
+    args = name[name.index("<") + 1:-1].split(", ")
+    return int(args[7]) if len(args) > 7 else 2
+
+
+@pytest.mark.parametrize("dtype, bh, dk, vec, want", [
+    (torch.bfloat16, 64, 128, True, 3),    # small: BV 64
+    (torch.bfloat16, 128, 64, True, 3),    # d64
+    (torch.bfloat16, 128, 128, True, 2),   # mid: BV 128
+    (torch.float16, 64, 128, True, 2),     # fp16 keeps two
+    (torch.bfloat16, 64, 128, False, 2),   # unaligned rows: no three-stage instance
+])
+def test_default_stages(hopper, dtype, bh, dk, vec, want):
+    lp = plan.plan_launch(dtype, dk, dk, vec, bh, 2048, 0)
+    assert _stages(lp.name) == want
+    assert lp.smem == plan.config_smem(plan.kernel_config(dtype, dk, dk, vec, 1, 132, True, lp.bv, stages=want))
+
+
+def test_forced_stages_and_shared_memory(hopper):
+    for stages in (2, 3):
+        lp = plan.plan_launch(torch.bfloat16, 128, 128, True, 128, 4096, 0, plan.Overrides(stages=stages))
+        assert _stages(lp.name) == stages and lp.bv == 128
+        assert lp.smem <= plan.SMEM_LIMIT_SM90
+    # BV 128 with three stages fits by keeping one output buffer, not two
+    two = plan.smem_bytes(128, 128, True, stages=2)
+    three = plan.smem_bytes(128, 128, True, stages=3)
+    assert three - two == 2 * (2 * 64 * 128 + 64 * 128) - 2 * 64 * 136
+    assert three <= plan.SMEM_LIMIT_SM90 < three + 2 * 64 * 136
+
+
+def test_dlog_and_mma_instances_keep_two_stages():
+    assert len(plan.dlog_config(torch.bfloat16, 128, True)) == 7
+    assert plan.kernel_config(torch.bfloat16, 128, 128, True, 1, 132, False, 64, stages=3)[-1] is False
+    names = [plan.name_expression(c) for c in plan.all_configs() if len(c) > 7]
+    assert names and all(", true, 1, true, false, 3>" in n for n in names)
