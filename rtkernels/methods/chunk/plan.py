@@ -83,13 +83,17 @@ def states_smem_bytes(kmax: int, bv: int, stages: int) -> int:
 def states_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, smem_limit: int, dlog: bool = False) -> tuple:
     """Template arguments (DT, KMAX, BV, VEC, STAGES) of ``rtk_chunk_states``, the states-only
     pass of the split-sequence strategy for 16-bit inputs: BV 128 where KMAX <= 128 (k read once
-    for up to 128 value columns: the pass is bandwidth-bound), else 64 (registers); 4 chunk stages
-    where they fit ``smem_limit`` bytes, else 2 (few instances to compile). ``dlog``: the instance
-    that also carries W = dS/dlog(gamma) for the split dq pass of a trainable decay (BV 64, as that
-    pass's tiles: S and W in registers), with a sixth argument, DLOG = true."""
+    for up to 128 value columns: the pass is bandwidth-bound), else 64 (registers); 3 chunk stages
+    (4 for ``dlog``) where they fit ``smem_limit`` bytes, else 2 (few instances to compile). Why 3:
+    more loads in flight made the pass slower, not faster (H100, (1, 32, 16384, 128) bf16: 6, 5, 4,
+    3 stages 115, 111, 100, 93-97 us; three stages beat four by 1.5-3 % on four split shapes;
+    docs/performance.md, session 13). ``dlog``: the instance that also carries W = dS/dlog(gamma)
+    for the split dq pass of a trainable decay (BV 64, as that pass's tiles: S and W in registers),
+    with a sixth argument, DLOG = true; its stages were not measured again."""
     kmax = _kmax(dk)
     bv = 64 if dlog or kmax > 128 else 128
-    stages = 4 if states_smem_bytes(kmax, bv, 4) <= smem_limit else 2
+    most = 4 if dlog else 3
+    stages = most if states_smem_bytes(kmax, bv, most) <= smem_limit else 2
     return (dtype_code(dtype), kmax, bv, vec, stages) + ((True,) if dlog else ())
 
 
