@@ -61,8 +61,7 @@
 // (the wgmma kernel): 128-byte-swizzled regions of 64 columns (rtk_swz_off), 1024-byte aligned,
 // the layout wgmma descriptors read. The *_off functions give the element offset of 16-byte
 // piece p of row r; KS and VS are the element step from one row to the next in the same piece.
-// STAGES stages of q/k/v tiles (2, or 3 on the wgmma kernel).
-template <int KMAX, int BV, bool SW, bool DLOG = false, int STAGES = 2>
+template <int KMAX, int BV, bool SW, bool DLOG = false, int STAGES = 2>  // STAGES: of q/k/v tiles
 struct rtk_chunk_smem {
   static constexpr int C = 64;
   static constexpr int KS = SW ? 64 : KMAX + 8;
@@ -73,9 +72,8 @@ struct rtk_chunk_smem {
   // two 16-bit copies of the state, KMAX x BV each: the state entering chunk c in copy c % 2;
   // KMAX 256 keeps one (its tiles fill the 163 KB of an A100), written after an extra barrier
   static constexpr int S = STAGES * STAGE, SCOPY = KMAX * (SW ? BV : VS), NCOPY = KMAX == 256 ? 1 : 2;
-  // SW only: OBUF buffers of the chunk's 64 output rows on their way to global memory (rows of
-  // BV + 8 elements: conflict-free stmatrix, 16-byte aligned rows for the bulk copies); two, but
-  // one where a third tile stage leaves no room for two (BV 128: 231,464 of 232,448 bytes)
+  // SW only: OBUF buffers of the chunk's 64 output rows on their way to global memory (rows of BV + 8:
+  // conflict-free stmatrix, aligned bulk copies); one where three tile stages leave no room for two
   static constexpr int W = S + NCOPY * SCOPY;  // DLOG: the copies of W, as those of S
   static constexpr int OS = BV + 8, O = W + (DLOG ? NCOPY * SCOPY : 0);
   static constexpr int OBUF = (O + 2 * C * OS) * 2 + 40 + 1024 <= 227 * 1024 ? 2 : 1;
@@ -88,16 +86,14 @@ struct rtk_chunk_smem {
   static __device__ __forceinline__ int s_off(int r, int p) { return SW ? rtk_swz_off(KMAX, r, p) : r * VS + p * 8; }
 };
 
-
 // MINB: CTAs per SM the register budget is sized for (2: 128 registers a thread, for grids of
 // more than one wave; 1: no spills, for grids that give each SM at most one CTA anyway).
 // WG (sm_90a only, KMAX <= 128, BV a multiple of 64): the output warps form one warpgroup that
 // computes the chunk with wgmma (q k^T and q S from shared memory, P v with P from registers);
 // otherwise each output warp uses mma.sync on its 16 rows.
 // DLOG: see the header (16-byte aligned rows, wgmma, bf16, BV 64, not RTK_MODE_STATES).
-// STAGES: chunks of q/k/v tiles in shared memory, 2 (loads of chunk c + 1 in flight while chunk c
-// is computed) or, on the wgmma kernel without DLOG, 3 (chunks c + 1 and c + 2 in flight: twice
-// the bytes a CTA keeps in flight, for GPUs whose memory latency times bandwidth per SM needs it).
+// STAGES: chunks of q/k/v tiles in shared memory: 2 (chunk c + 1 loading while c is computed) or,
+// wgmma without DLOG, 3 (chunks c + 1 and c + 2 loading: twice the bytes in flight).
 template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG, bool DLOG = false, int STAGES = 2>
 __global__ void __launch_bounds__(256, MINB)
 rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p) {
@@ -211,9 +207,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
 
   // The two groups run separate loops (so neither holds the other's registers) and meet at one
   // barrier per chunk (end_period). In the period of chunk c the output warps compute its outputs
-  // from stage c % STAGES and state copy c % 2, while the state warps load chunk c + STAGES - 1
-  // into the stage chunk c - 1 used, update S with chunk c and write the copy of S entering chunk
-  // c + 1 into the other copy.
+  // from stage c % STAGES and state copy c % 2, while the state warps load chunk c + STAGES - 1 into
+  // chunk c - 1's stage, update S with chunk c and write the copy of S entering c + 1 into the other.
   if (out_warp) {
     // ---- output warps: per-thread decay factors, fixed for the whole sequence -----------------
     const int w = warp, r0 = 16 * warp;  // this warp's rows r0 .. r0+15 of each chunk
@@ -421,7 +416,6 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
             pv(kk);
           }
         }
-
       }
       if (v_bad && __any_sync(0xffffffffu, saw_bad)) {
         const rtk_u16* sV = sm + stage * L::STAGE + L::V;
@@ -603,4 +597,3 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
           ((s_red[0] + s_red[1]) + (s_red[2] + s_red[3])) + ((s_red[4] + s_red[5]) + (s_red[6] + s_red[7]));
   }
 }
-
