@@ -26,3 +26,14 @@ def test_trainable_rows_carry_the_fixed_decay_time(tmp_path):
     assert row["decay"].endswith("trainable") and row["decay_grad_rel_err"] < 1e-4
     assert row["fixed_ms"] > 0 and abs(row["x_fixed"] - row["ms"] / row["fixed_ms"]) < 1e-12
     assert "| fixed ms | × fixed |" in (tmp_path / "bench.md").read_text()
+
+
+def test_short_calls_repeat_more_unless_reps_is_given():
+    from rtkernels.cli.bench import timing
+
+    calls = []
+    res = timing.time_calls([lambda: calls.append(1)], torch.device("cpu"), 3, extend=True)
+    assert res[0]["reps"] == timing.MAX_REPS and len(calls) == 2 + timing.MAX_REPS  # a call of microseconds
+    calls.clear()
+    res = timing.time_calls([lambda: calls.append(1)], torch.device("cpu"), 3)
+    assert res[0]["reps"] == 3 and len(calls) == 2 + 3

@@ -108,7 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help="implementations (default: all but linear_attention, the normalized call: its rows, "
                              "'identity' and '1+qk', take positive-feature q, k and their own fp64 reference)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="rtkernels methods")
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 20; 3 with --quick)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="timed repetitions, exactly (default: at least 20, more for a short call, "
+                             "up to 200 or 0.1 s of calls; 3 with --quick)")
     parser.add_argument("--max-call-s", type=float, default=2.0,
                         help="a call slower than this gets 3 repetitions only (default 2 s)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (default ./bench-out)")
@@ -291,12 +293,14 @@ def forward_backward(forward: Any, leaves: Sequence[torch.Tensor], g: Any, grad:
 
 def measure(impl: Any, case: Case, inp: dict[str, Any], ref: Reference, device: torch.device,
             reps: int, flush: Optional[torch.Tensor], max_call_s: float, backward: bool = False,
-            trainable: bool = False, graph: bool = False) -> dict[str, Any]:
+            trainable: bool = False, graph: bool = False, extend: bool = False) -> dict[str, Any]:
     """Time one implementation on one input; its error vs ``ref`` (every batch) and its peak memory.
     With ``backward`` (``--pass fwdbwd``) each call is a forward and a backward, and the row also
     gives ``grad_rel_err``, the largest error of dq, dk, dv (batch 0) and, with ``trainable``, of
     dL/dγ, and ``fixed_ms``, the same step with a fixed decay timed interleaved with it (``x_fixed``:
-    the ratio). With ``graph`` a forward row also gets ``graph_ms``, the kernel time alone."""
+    the ratio). With ``graph`` a forward row also gets ``graph_ms``, the kernel time alone.
+    ``extend``: a short call repeats more than ``reps`` times (:func:`.timing.time_calls`; the
+    default when ``--reps`` is not given)."""
     from . import timing
 
     g = impl.decay(inp["gamma"], device)
@@ -321,11 +325,11 @@ def measure(impl: Any, case: Case, inp: dict[str, Any], ref: Reference, device: 
             row["path"] += f", bwd: {impl.backward_path(args[0], args[2])}"
     if trainable and backward:  # the same step with the decay fixed, interleaved with it: "x fixed"
         fixed = forward_backward(impl.forward, leaves, impl.decay(inp["gamma"], device), layout(inp["grad"]))
-        t_fixed, t = timing.time_calls([fixed, fn], device, reps, flush, max_call_s)
+        t_fixed, t = timing.time_calls([fixed, fn], device, reps, flush, max_call_s, extend)
         row.update(t)
         row["fixed_ms"], row["x_fixed"] = t_fixed["ms"], t["ms"] / t_fixed["ms"]
     else:
-        row.update(timing.time_call(fn, device, reps, flush, max_call_s))
+        row.update(timing.time_call(fn, device, reps, flush, max_call_s, extend))
     if graph and not backward and device.type == "cuda":
         try:
             row["graph_ms"] = timing.graph_replay_ms(fn, reps)
@@ -452,7 +456,7 @@ def run_case(case: Case, dt: str, impls: list[Any], device: torch.device, args: 
                 row["ref"] = i_ref.note
             row.update({"skipped": reason} if reason else
                        measure(impl, case, i_inp, i_ref, device, reps, flush, args.max_call_s, bwd, trainable,
-                               args.graph))
+                               args.graph, extend=args.reps is None and not args.quick))
         except Exception as exc:
             row["error"] = _err(exc)
         rows.append(row)

@@ -32,9 +32,18 @@ def l2_bytes(device: torch.device) -> int:
     return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20))
 
 
+#: Short calls repeat until their timed calls add up to this many seconds (at most :data:`MAX_REPS`
+#: repetitions): twenty calls of 0.05 ms span a millisecond, and this host's speed moves over
+#: longer spans than that, so a small shape's median moved by 80 % between two runs minutes apart.
+TIMED_S = 0.1
+MAX_REPS = 200
+
+
 def time_call(fn: Fn, device: torch.device, reps: int, flush: Optional[torch.Tensor] = None,
-              max_call_s: float = 2.0) -> dict[str, float]:
-    """Median time of ``fn`` in ms over ``reps`` repetitions, after two warm-up calls.
+              max_call_s: float = 2.0, extend: bool = False) -> dict[str, float]:
+    """Median time of ``fn`` in ms over ``reps`` repetitions, after two warm-up calls; ``extend``:
+    at least ``reps``, more for a short call (as many as take :data:`TIMED_S` seconds, up to
+    :data:`MAX_REPS`).
 
     The first warm-up call (JIT compile, autotuning) is reported as ``first_call_ms``. Before each
     repetition ``flush`` (if given) is overwritten, evicting the inputs from L2, and the device is
@@ -42,17 +51,20 @@ def time_call(fn: Fn, device: torch.device, reps: int, flush: Optional[torch.Ten
     launch overhead. If the second warm-up call takes longer than ``max_call_s``, only 3 repetitions
     run (``reps`` in the result says how many ran).
     """
-    return time_calls([fn], device, reps, flush, max_call_s)[0]
+    return time_calls([fn], device, reps, flush, max_call_s, extend)[0]
 
 
 def time_calls(fns: Sequence[Fn], device: torch.device, reps: int, flush: Optional[torch.Tensor] = None,
-               max_call_s: float = 2.0) -> list[dict[str, float]]:
+               max_call_s: float = 2.0, extend: bool = False) -> list[dict[str, float]]:
     """:func:`time_call` of each of ``fns``, their repetitions interleaved (a, b, a, b, ...), so that
     a ratio of their times is not skewed by the host's speed drifting between two runs (on a busy
     host it moves by tens of percent over seconds)."""
     firsts = [_wall_s(fn, device) for fn in fns]
-    if max(_wall_s(fn, device) for fn in fns) > max_call_s:
+    call_s = max(_wall_s(fn, device) for fn in fns)
+    if call_s > max_call_s:
         reps = min(reps, 3)
+    elif extend:
+        reps = max(reps, min(MAX_REPS, int(TIMED_S / max(call_s, 1e-6))))
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
         for fn, ts in zip(fns, times):
