@@ -53,3 +53,12 @@ def test_dlog_and_mma_instances_keep_two_stages():
     assert plan.kernel_config(torch.bfloat16, 128, 128, True, 1, 132, False, 64, stages=3)[-1] is False
     names = [plan.name_expression(c) for c in plan.all_configs() if len(c) > 7]
     assert names and all(", true, 1, true, false, 3>" in n for n in names)
+
+
+def test_states_pass_stages():
+    """The split strategy's states pass: three stages where they fit (four measured slower), two
+    where they do not; the DLOG instance keeps four."""
+    assert plan.states_config(torch.bfloat16, 128, 128, True, plan.SMEM_LIMIT_SM90)[4] == 3
+    assert plan.states_config(torch.float16, 256, 256, True, plan.SMEM_LIMIT_SM90)[4] == 3
+    assert plan.states_config(torch.bfloat16, 256, 256, True, 99 * 1024)[4] == 2
+    assert plan.states_config(torch.bfloat16, 128, 128, True, plan.SMEM_LIMIT_SM90, dlog=True)[4:] == (4, True)
