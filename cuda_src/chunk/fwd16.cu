@@ -76,11 +76,12 @@ struct rtk_chunk_smem {
   // conflict-free stmatrix, aligned bulk copies); one where three tile stages leave no room for two
   static constexpr int W = S + NCOPY * SCOPY;  // DLOG: the copies of W, as those of S
   static constexpr int OS = BV + 8, O = W + (DLOG ? NCOPY * SCOPY : 0);
-  static constexpr int OBUF = (O + 2 * C * OS) * 2 + 40 + 1024 <= 227 * 1024 ? 2 : 1;
-  static constexpr int ELEMS = O + (SW ? OBUF * C * OS : 0);
   static constexpr int ALIGN = SW ? 1024 : 0;            // slack for aligning the base
   // + fp16 scaling: max|S| of the 4 state warps, 2 slots; + rtk_cta_sync_or's ring (2 words)
-  static constexpr int BYTES = ELEMS * 2 + 32 + 8 + ALIGN;
+  static constexpr int TAIL = 32 + 8 + ALIGN;
+  static constexpr int OBUF = (O + 2 * C * OS) * 2 + TAIL <= 227 * 1024 ? 2 : 1;
+  static constexpr int ELEMS = O + (SW ? OBUF * C * OS : 0);
+  static constexpr int BYTES = ELEMS * 2 + TAIL;
   static __device__ __forceinline__ int qk_off(int r, int p) { return SW ? rtk_swz_off(C, r, p) : r * KS + p * 8; }
   static __device__ __forceinline__ int v_off(int r, int p) { return SW ? rtk_swz_off(C, r, p) : r * VS + p * 8; }
   static __device__ __forceinline__ int s_off(int r, int p) { return SW ? rtk_swz_off(KMAX, r, p) : r * VS + p * 8; }
