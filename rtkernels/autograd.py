@@ -308,8 +308,15 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
             out = torch.empty_like(v, memory_format=torch.contiguous_format)
         else:  # the caller's tensor, written in place (an input autograd must version)
             ctx.mark_dirty(out)
+        ctx.forward_states = None
         if call.launcher is not None:  # planned on these strides, any layout (it reads the pointers); a CUDA
-            state = call.launcher(q, k, v, out, initial_state, call.log_decay.raw)  # decay tensor as it is
+            fold = getattr(call.launcher, "fold", None)  # decay tensor as it is
+            if fold is None:
+                state = call.launcher(q, k, v, out, initial_state, call.log_decay.raw)
+            else:  # split with a states pass: its slots serve the backward's dq pass too
+                keep: list = []
+                state = call.launcher(q, k, v, out, initial_state, call.log_decay.raw, keep=keep)
+                ctx.forward_states = (keep[0], fold) if keep else None
         else:
             out_view = out
             if call.bnhd:
@@ -328,7 +335,8 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
         if call.bnhd:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         _, *needs, _ = ctx.needs_input_grad
-        dq, dk, dv, d_decay, d_s0 = call_gradients(call, q, k, v, s0, grad_out, grad_state, needs, ctx.source_meta)
+        dq, dk, dv, d_decay, d_s0 = call_gradients(call, q, k, v, s0, grad_out, grad_state, needs, ctx.source_meta,
+                                                   ctx.forward_states)
         if call.bnhd:
             dq, dk, dv = (None if d is None else d.transpose(1, 2) for d in (dq, dk, dv))
         return None, dq, dk, dv, d_decay, d_s0, None
@@ -336,16 +344,22 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
 
 def call_gradients(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    initial_state: Optional[torch.Tensor], grad_out: torch.Tensor, grad_state: Optional[torch.Tensor],
-                   needs: Any, source_meta: Optional[tuple[torch.device, torch.dtype]]) -> tuple:
+                   needs: Any, source_meta: Optional[tuple[torch.device, torch.dtype]],
+                   forward_states: Optional[tuple] = None) -> tuple:
     """The backward of one call (the Function's, and :mod:`rtkernels.ops`'s backward op):
     ``(dq, dk, dv, d_decay, d_initial_state)``, each None unless its flag in ``needs`` (five bools,
     that order) is set. q, k, v are ``[B, H, N, D]`` views, ``grad_out`` is in the call's layout;
     the gradients come back in the inputs' dtypes (``[B, H, N, D]`` views), ``d_decay`` is dL/d(the
-    decay source) on ``source_meta`` = (device, dtype)."""
+    decay source) on ``source_meta`` = (device, dtype). ``forward_states``: what the forward's
+    split launch kept for the backward (its states-pass slots), for an implementation that takes
+    them (``takes_forward_states``)."""
     need_q, need_k, need_v, need_decay, need_s0 = needs
     g = grad_out.transpose(1, 2) if call.bnhd else grad_out
-    grads = backward_impl(q, v)(q, k, v, call.log_decay, call.scale, initial_state, g, grad_state, need_s0,
-                                need_decay, call.fp32_precision)
+    impl = backward_impl(q, v)
+    extra = {"forward_states": forward_states} if forward_states is not None and getattr(
+        impl, "takes_forward_states", False) else {}
+    grads = impl(q, k, v, call.log_decay, call.scale, initial_state, g, grad_state, need_s0, need_decay,
+                 call.fp32_precision, **extra)
     d_decay = None
     if need_decay:
         d_decay = grads.log_decay if grads.decay_is_source else call.log_decay.source_grad(grads.log_decay)

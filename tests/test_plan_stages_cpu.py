@@ -62,3 +62,19 @@ def test_states_pass_stages():
     assert plan.states_config(torch.float16, 256, 256, True, plan.SMEM_LIMIT_SM90)[4] == 3
     assert plan.states_config(torch.bfloat16, 256, 256, True, 99 * 1024)[4] == 2
     assert plan.states_config(torch.bfloat16, 128, 128, True, plan.SMEM_LIMIT_SM90, dlog=True)[4:] == (4, True)
+
+
+def test_forward_slots_serve_a_dq_pass_that_splits_alike():
+    """launch.transposed_slots: the forward's slots, transposed, only for a launch whose split
+    (segments, fold length, slot count) matches and whose state is the transpose of the forward's."""
+    from types import SimpleNamespace
+
+    from rtkernels.methods.chunk import launch
+
+    slots = torch.arange(3 * 2 * 4 * 6, dtype=torch.float32).reshape(3, 1, 2, 4, 6)
+    fold = (3, 256, 3, (1, 2, 4, 6))
+    got = launch.transposed_slots(SimpleNamespace(fold=(3, 256, 3, (1, 2, 6, 4))), slots, fold)
+    assert got is not None and got.is_contiguous() and torch.equal(got, slots.transpose(-1, -2))
+    for other in [(3, 128, 5, (1, 2, 6, 4)), (2, 256, 3, (1, 2, 6, 4)), (3, 256, 3, (1, 2, 4, 6)), None]:
+        assert launch.transposed_slots(SimpleNamespace(fold=other), slots, fold) is None
+    assert launch.transposed_slots(object(), slots, fold) is None  # a launch without slots (key pieces)

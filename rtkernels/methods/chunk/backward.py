@@ -105,7 +105,8 @@ def kernel_runs(*tensors: torch.Tensor) -> bool:
 def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                  out: torch.Tensor, initial_state: Optional[torch.Tensor], need_state: bool,
                  reverse: bool, fp32_precision: str = "exact", on_kernel: Optional[bool] = None,
-                 dlog: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+                 dlog: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                 forward_states: Optional[tuple[torch.Tensor, tuple]] = None) -> Optional[torch.Tensor]:
     """The forward operator into ``out`` (``[B, H, N, Dv]``), in token order or, with ``reverse``,
     on the reversed sequence with its output written back in reverse order (``initial_state``
     entering before token N-1, the final state, returned when ``need_state``, after token 0).
@@ -114,10 +115,11 @@ def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: L
     otherwise the torch ``chunk`` path in the compute dtype on ``torch.flip``-ped copies.
     Work O(N C (Dk + Dv) + N Dk Dv). ``on_kernel``: :func:`kernel_runs` for these operands, if the
     caller knows it already. ``dlog``: (x, partial sums) for the dq pass that also sums dlog(gamma)
-    (kernel only; :func:`.decay_grad.dq_pass_sums` decides)."""
+    (kernel only; :func:`.decay_grad.dq_pass_sums` decides). ``forward_states``: the forward's
+    states-pass slots for the dq pass (kernel only; :func:`.launch.transposed_slots`)."""
     if kernel_runs(q, k, v, out) if on_kernel is None else on_kernel:
         return launch.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state, fp32_precision,
-                                     reverse=reverse, dlog=dlog)
+                                     reverse=reverse, dlog=dlog, forward_states=forward_states)
     if not reverse:
         return run_torch_path(torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)
     flipped = torch.empty_like(out)
@@ -149,22 +151,27 @@ def _add_state_term(dst: torch.Tensor, x: torch.Tensor, m: torch.Tensor, lg: tor
 def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     log_decay: LogDecay, scale: float, initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
                     grad_state: Optional[torch.Tensor], need_state_grad: bool, dtype: torch.dtype,
-                    dlog_partials: Optional[torch.Tensor] = None, dlog_g: Optional[torch.Tensor] = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                    dlog_partials: Optional[torch.Tensor] = None, dlog_g: Optional[torch.Tensor] = None,
+                    forward_states: Optional[tuple[torch.Tensor, tuple]] = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+                               Optional[torch.Tensor]]:
     """The three passes of the module docstring, each ``run(q, k, v, log_decay, scale, out,
     initial_state, need_state, reverse)`` (a forward pass into ``out``; :func:`forward_pass` here,
     the packed one for ``cu_seqlens``): ``(dq, dk, dv, scale gamma R or None, log(gamma) or None)``,
     dq, dk, dv in ``dtype``, R the dv pass's final state (the start of dS_0, without the G term),
     log(gamma) in the compute dtype where the G terms or dS_0 need it. ``dlog_partials``: the dq
     pass also writes its partial sums of dlog(gamma) there (``run`` then takes ``dlog=(q, it,
-    dlog_g)``), with the term of the final state's gradient ``dlog_g`` (fp32 contiguous) if given."""
+    dlog_g)``), with the term of the final state's gradient ``dlog_g`` (fp32 contiguous) if given.
+    ``forward_states``: the forward's states-pass slots, handed to the dq pass (``run`` then takes
+    ``states=``), which folds them instead of running its own states pass where they match."""
     cdt = compute_dtype(q.dtype)
     dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
+    extra = {} if forward_states is None else {"states": forward_states}
     if dlog_partials is None:
-        run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False)
+        run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, **extra)
     else:
-        run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, dlog=(q, dlog_partials, dlog_g))
+        run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, dlog=(q, dlog_partials, dlog_g), **extra)
     run(v, grad_out, q, log_decay, scale, dk, None, False, True)
     back = run(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True)
     # log(gamma) in torch only where the state terms need it (a device decay costs several ops)
@@ -187,9 +194,13 @@ class _PlannedBackward(NamedTuple):
         ``data_ptr()``; ``out``'s alignment never shaped them)."""
         passes = iter(self.passes)
 
-        def run(q, k, v, log_decay_, scale, out, initial_state, need_state, reverse, dlog=None):
+        def run(q, k, v, log_decay_, scale, out, initial_state, need_state, reverse, dlog=None, states=None):
+            launcher = next(passes)
+            slots = None if states is None else launch.transposed_slots(launcher, *states)
+            if slots is not None:
+                return launcher(q, k, v, out, initial_state, decay_ptr=decay, slots=slots)
             extra = {} if dlog is None else {"dlog": (dlog[0].data_ptr(), dlog[1].data_ptr(), 0)}
-            return next(passes)(q, k, v, out, initial_state, decay_ptr=decay, **extra)
+            return launcher(q, k, v, out, initial_state, decay_ptr=decay, **extra)
         return run
 
 
@@ -215,7 +226,8 @@ def _plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch
 def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                     initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
                     grad_state: Optional[torch.Tensor], need_state_grad: bool, need_decay_grad: bool,
-                    fp32_precision: str = "exact") -> Grads:
+                    fp32_precision: str = "exact", forward_states: Optional[tuple[torch.Tensor, tuple]] = None
+                    ) -> Grads:
     """A :data:`~rtkernels.autograd.BackwardImpl`: the three forward passes of the module
     docstring (float32: the kernel in ``fp32_precision``'s mode), the G terms and dlog(gamma) (its
     kernel where the passes run the 16-bit chunk kernel, else
@@ -224,7 +236,9 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
 
     A call without an initial state or a final-state gradient whose passes all run the kernel is
     planned once per signature (:func:`_plan_key`): repeating it costs the gradient buffers and the
-    launches, about a third of the host time of planning each pass again."""
+    launches, about a third of the host time of planning each pass again. ``forward_states``: the
+    slots the forward's states pass wrote (:class:`.launch.ChunkLaunch`'s ``keep``): the dq pass
+    folds them, transposed, instead of running its own states pass where its split matches."""
     key = planned = None
     if initial_state is None and grad_state is None and not need_state_grad:
         key = _plan_key(q, k, v, grad_out, log_decay, scale, need_decay_grad, fp32_precision)
@@ -243,17 +257,18 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
                 x.stride(-1) == 1 for x in (q, k, v, grad_out)):  # every pass a kernel_forward launch
             planning = []
 
-        def run(q_, k_, v_, log_decay_, scale_, out, initial_state_, need_state, reverse, dlog=None):
+        def run(q_, k_, v_, log_decay_, scale_, out, initial_state_, need_state, reverse, dlog=None, states=None):
             if planning is not None:  # the launch kernel_forward takes (unit strides: no copies)
                 planning.append(launch.pass_launcher(q_, k_, v_, log_decay_, scale_, out, need_state, fp32_precision,
                                                      reverse=reverse, dlog=dlog is not None))
             return forward_pass(q_, k_, v_, log_decay_, scale_, out, initial_state_, need_state, reverse,
-                                fp32_precision, on_kernel, dlog)
+                                fp32_precision, on_kernel, dlog, states)
 
     partials = None if sums is None else sums.buffer()
     g_fp32 = None if sums is None or grad_state is None else grad_state.to(torch.float32).contiguous()
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
-                                           need_state_grad, q.dtype if on_kernel else cdt, partials, g_fp32)
+                                           need_state_grad, q.dtype if on_kernel else cdt, partials, g_fp32,
+                                           forward_states if on_kernel else None)
     if grad_state is not None:
         g_state = grad_state.to(cdt)
         _add_state_term(dk, v, g_state.transpose(-1, -2), lg)
@@ -274,6 +289,10 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
             _plans.clear()
         _plans[key] = _PlannedBackward(tuple(planning), sums)
     return Grads(dq, dk, dv, d_s0, d_log, of_source)
+
+
+#: :func:`rtkernels.autograd.call_gradients` hands this backward the forward's states-pass slots.
+kernel_backward.takes_forward_states = True  # type: ignore[attr-defined]
 
 
 def supports(q: torch.Tensor, v: torch.Tensor) -> bool:

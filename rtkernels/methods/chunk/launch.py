@@ -4,7 +4,7 @@ call with new pointers), :func:`kernel_prepare` and :func:`kernel_forward`."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -19,7 +19,7 @@ from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURC
                    plan_launch, split, states_config, states_name, states_smem_bytes, tuned_launch)
 
 __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "pass_launcher",
-           "call_pieces"]
+           "transposed_slots", "call_pieces"]
 
 
 def pass_launch(dtype: torch.dtype, b: int, h: int, n: int, dk: int, dv: int, dev: int, vec: bool, exact: bool,
@@ -71,10 +71,16 @@ class ChunkLaunch:
     pass); each call then takes ``dlog``, the addresses of x, of the ``[segments * rows, Dv / 64,
     H]`` float32 partial sums and of the final state's gradient (fp32, contiguous; 0: none). Split
     into segments, its states pass also carries W = dS/dlog(gamma) (twice the slots).
+
+    ``fold``: for a split launch with the dedicated states pass (16-bit, not ``dlog``), what its
+    slots are: ``(segments, fold_len, slots, state_shape)``, else None. A call may hand back its
+    slots (``keep``, a list it appends them to: the forward of a training step keeps them for the
+    backward's dq pass) or take them instead of running its states pass (``slots``: fp32
+    contiguous ``[slots, *state_shape]``, slot 0 the initial state, as the states pass writes them).
     """
 
     __slots__ = ("fused", "states", "scan", "device", "log_decay", "decay_ptr", "nseg", "slots", "state_shape",
-                 "need_state", "offsets", "packed")
+                 "need_state", "offsets", "packed", "fold")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
                  out: torch.Tensor, need_state: bool, reverse: bool = False, fp32_precision: str = "exact",
@@ -113,6 +119,7 @@ class ChunkLaunch:
         self.scan = None
         self.packed = None
         self.states = None
+        self.fold = None
         fold_len = seg_len
         if fold:  # the states pass over slots of fold_len tokens, parts of the segments but the last
             sc = states_config(q.dtype, dk, dv, vec, _smem_limit(dev), dlog)
@@ -124,6 +131,8 @@ class ChunkLaunch:
             sfn = get_function(STATES_SOURCE, states_name(sc), dev, dynamic_smem=ssmem)
             self.states = sfn.bind((bh, -(-dv // sc[2]), (nseg - 1) * parts), block, ssmem, dev, FWD_POINTERS,
                                    (*tail, fold_len, 0, fold_len, *NO_EXTRAS))
+            if not dlog:
+                self.fold = (nseg, fold_len, self.slots, self.state_shape)
         mode_k = MODE_FOLD if fold else MODE_FUSED
         if sequences or dlog:  # addresses that change per call: the struct is packed at each launch
             self.packed = (fn, grid, block, smem, dev, (*tail, seg_len, mode_k, fold_len), int(reverse))
@@ -143,13 +152,14 @@ class ChunkLaunch:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None,
                  decay_ptr: Optional[int] = None, seqs: Optional[tuple[int, int]] = None,
-                 dlog: Optional[tuple[int, int, int]] = None) -> Optional[torch.Tensor]:
+                 dlog: Optional[tuple[int, int, int]] = None, keep: Optional[list] = None,
+                 slots: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Launch on new tensors; ``decay``: a CUDA decay tensor of the planned dtype and stride in
         place of the planned one (the cached call's), or ``decay_ptr``, the address of one (a
         :meth:`LogDecay.kernel_arg` of the planned mode); neither: the planned decay. ``seqs``: the
         packed sequences' (offsets, validity flag) addresses, for a launch planned with ``sequences``;
         ``dlog``: the (x, partial sums, final-state gradient or 0) addresses, for a launch planned
-        with ``dlog``."""
+        with ``dlog``. ``keep``, ``slots``: the class docstring's ``fold`` (ignored without one)."""
         s0 = initial_state
         if s0 is not None and (s0.dtype != torch.float32 or not s0.is_contiguous()):
             s0 = s0.to(torch.float32).contiguous()
@@ -161,14 +171,17 @@ class ChunkLaunch:
         if self.offsets is not None:
             oq, ok, ov, oo = self.offsets
             qp, kp, vp, op = qp + oq, kp + ok, vp + ov, op + oo
-        local = None if self.nseg == 1 else torch.empty((self.slots, *self.state_shape), dtype=torch.float32,
-                                                        device=self.device)
-        if self.scan is None and self.states is not None:
+        if self.fold is not None and slots is not None:  # the slots a states pass wrote before
+            s0p = slots.data_ptr()
+        elif self.scan is None and self.states is not None:
             # split sequence, rtk_chunk_states: the initial state and the state each segment but the
             # last ends with in the slots of ``local``; the fused pass folds them into each
             # segment's entering state, and its last segment stores the final state
+            local = torch.empty((self.slots, *self.state_shape), dtype=torch.float32, device=self.device)
             self.states(qp, kp, vp, op, dp, s0p, local.data_ptr())
             s0p = local.data_ptr()
+            if keep is not None and self.fold is not None:
+                keep.append(local)
         if self.packed is not None:
             fn, grid, block, smem, dev, tail, rev = self.packed
             _launch_kernel(fn, grid, block, (qp, kp, vp, op, dp, s0p, fp, *tail, *(seqs or (0, 0)), rev,
@@ -179,6 +192,7 @@ class ChunkLaunch:
             return final
         # split sequence: each segment's own state (no initial state), the scan over the segments'
         # states, then the fused pass of each segment from its entering state
+        local = torch.empty((self.slots, *self.state_shape), dtype=torch.float32, device=self.device)
         s_in = torch.empty_like(local)
         self.states(qp, kp, vp, op, dp, 0, local.data_ptr())
         self.scan(local.data_ptr(), s_in.data_ptr(), s0p, fp, dp)
@@ -220,6 +234,18 @@ class KeyPiecesLaunch:
             if i:
                 out.add_(dst)
         return torch.cat(states, dim=2) if self.need_state else None
+
+
+def transposed_slots(launcher: Any, slots: torch.Tensor, fold: tuple) -> Optional[torch.Tensor]:
+    """A forward's states-pass ``slots`` (its :attr:`ChunkLaunch.fold` ``fold``) as the slots of
+    ``launcher``, the backward's dq pass F(g, v, k, S_0^T), whose states are the transposes of the
+    forward's (sum v^T k = (sum k^T v)^T, the same weights): transposed (one copy of the slots)
+    where the dq pass splits the sequence the same way, else None (it runs its own states pass)."""
+    mine = getattr(launcher, "fold", None)  # None: a launch without them (key pieces, one pass, DLOG)
+    nseg, fold_len, count, (b, h, dk, dv) = fold
+    if mine is None or mine != (nseg, fold_len, count, (b, h, dv, dk)):
+        return None
+    return slots.transpose(-1, -2).contiguous()
 
 
 def _piece_out(out: torch.Tensor) -> torch.Tensor:
@@ -281,8 +307,8 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
                    scale: float, out: torch.Tensor, initial_state: Optional[torch.Tensor],
                    need_state: bool, fp32_precision: str = "exact", *, reverse: bool = False,
                    packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                   dlog: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None
-                   ) -> Optional[torch.Tensor]:
+                   dlog: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
+                   forward_states: Optional[tuple[torch.Tensor, tuple]] = None) -> Optional[torch.Tensor]:
     """One fused pass, or with few (batch, head, value-tile) CTAs the split-sequence strategy:
     a states-only pass (``rtk_chunk_states`` for 16-bit inputs, which skips the last segment; the
     fused kernel's states-only mode plus a scan kernel for fp32), then the fused pass per segment
@@ -307,6 +333,10 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     x has v's shape and strides; g, the gradient of the forward's final state (fp32 contiguous
     ``[rows, H, Dv, Dk]`` in this pass's terms) or None, adds its term <g, W_end>.
 
+    ``forward_states``: ``(slots, fold)`` a forward kept (:class:`ChunkLaunch`'s ``keep``), for the
+    backward's dq pass: taken in place of its own states pass where they match
+    (:func:`transposed_slots`).
+
     The plan is kept by call signature (:func:`pass_launcher`), so a repeated pass costs its launches."""
     q, k, v = unit_stride(q, k, v)
     sequences = 0 if packed is None else packed[0].shape[0] - 1
@@ -314,6 +344,9 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
                              sequences=sequences, dlog=dlog is not None)
     decay = log_decay.kernel_arg()[0]
     seqs = None if packed is None else (packed[0].data_ptr(), packed[1].data_ptr())
+    slots = None if forward_states is None else transposed_slots(launcher, *forward_states)
+    if slots is not None:
+        return launcher(q, k, v, out, initial_state, decay_ptr=decay, slots=slots)
     if dlog is None:
         return launcher(q, k, v, out, initial_state, decay_ptr=decay, seqs=seqs)
     return launcher(q, k, v, out, initial_state, decay_ptr=decay, seqs=seqs,
