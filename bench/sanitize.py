@@ -260,6 +260,8 @@ def _drive_backward() -> Optional[str]:
             for dt in (torch.float16, torch.bfloat16):
                 _train(*_qkv(1, 2, 400, 40, 72, dt), f"backward {dt} segments={segments}")
                 _train(*_qkv(1, 2, 300, 37, 200, dt, seed=1, offset=True), f"backward unaligned {dt}", state=False)
+                # Dk = Dv: split alike, the dq pass folds the forward's slots (launch.transposed_slots)
+                _train(*_qkv(1, 2, 700, 64, 64, dt, seed=2), f"backward forward slots {dt} segments={segments}")
             for precision in ("exact", "tf32"):
                 _train(*_qkv(1, 2, 400, 40, 72, torch.float32), f"backward f32 {precision}", precision)
     return None
