@@ -42,11 +42,11 @@ def test_dq_pass_takes_the_forward_slots(shape, dtype, stateful, monkeypatch):
     monkeypatch.setattr(launch, "transposed_slots", spy)
     b, h, n, dk, dv, layout = shape
     for gamma in (0.9, 0.99):
-        (q, k, v, s0, decay, w, ws), want = _case(shape, dtype, gamma)
+        (q, k, v, s0, decay, w, ws), want = _case(shape, dtype, gamma)  # decay requires grad there
         leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, s0)]
         # a fixed decay: a trainable one in bf16 takes the dq pass that sums dlog(gamma), whose states
         # pass also carries W and so runs as before
-        res = rtkernels.causal_linear_attention(*leaves[:3], decay.float(), scale=0.8, method="chunk", layout=layout,
+        res = rtkernels.causal_linear_attention(*leaves[:3], decay.detach().float(), scale=0.8, method="chunk", layout=layout,
                                                 initial_state=leaves[3] if stateful else None,
                                                 return_state=True)
         out, state = res
