@@ -151,8 +151,14 @@ def test_out_of_memory_in_backward_is_torch_oom():
     q, k, v, w = (torch.randn(b, h, n, d, generator=g, device="cuda").div_(d ** 0.5).to(BF16) for _ in range(4))
     leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
     rtkernels.causal_linear_attention(*leaves, 0.99, method="chunk").backward(w)  # kernels compiled and loaded
-    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
-    out = rtkernels.causal_linear_attention(*leaves, 0.99, method="chunk")
+    # on a stream of its own: torch's allocator gives a stream only blocks allocated for it, so free
+    # blocks that earlier tests in this process left in partly used segments (reserved memory
+    # empty_cache cannot release, which the cap below counts as used) cannot serve the backward
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = rtkernels.causal_linear_attention(*leaves, 0.99, method="chunk")
     dev = torch.cuda.current_device()
     total = torch.cuda.get_device_properties(dev).total_memory
     torch.cuda.synchronize()
@@ -160,10 +166,11 @@ def test_out_of_memory_in_backward_is_torch_oom():
     try:
         # room for one 128 MiB gradient, not three
         torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(dev) + (200 << 20)) / total, dev)
-        with pytest.raises(torch.OutOfMemoryError):
+        with pytest.raises(torch.OutOfMemoryError), torch.cuda.stream(side):
             out.backward(w)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, dev)
+        torch.cuda.current_stream().wait_stream(side)
     del out, leaves
     torch.cuda.empty_cache()
     _library_still_works()
