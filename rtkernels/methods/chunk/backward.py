@@ -195,12 +195,8 @@ class _PlannedBackward(NamedTuple):
         passes = iter(self.passes)
 
         def run(q, k, v, log_decay_, scale, out, initial_state, need_state, reverse, dlog=None, states=None):
-            launcher = next(passes)
-            slots = None if states is None else launch.transposed_slots(launcher, *states)
-            if slots is not None:
-                return launcher(q, k, v, out, initial_state, decay_ptr=decay, slots=slots)
-            extra = {} if dlog is None else {"dlog": (dlog[0].data_ptr(), dlog[1].data_ptr(), 0)}
-            return launcher(q, k, v, out, initial_state, decay_ptr=decay, **extra)
+            return launch.launch_pass(next(passes), q, k, v, out, initial_state, decay, dlog=dlog,
+                                      forward_states=states)
         return run
 
 

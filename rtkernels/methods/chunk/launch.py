@@ -19,7 +19,7 @@ from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURC
                    plan_launch, split, states_config, states_name, states_smem_bytes, tuned_launch)
 
 __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "pass_launcher",
-           "transposed_slots", "call_pieces"]
+           "launch_pass", "transposed_slots", "call_pieces"]
 
 
 def pass_launch(dtype: torch.dtype, b: int, h: int, n: int, dk: int, dv: int, dev: int, vec: bool, exact: bool,
@@ -344,10 +344,21 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
                              sequences=sequences, dlog=dlog is not None)
     decay = log_decay.kernel_arg()[0]
     seqs = None if packed is None else (packed[0].data_ptr(), packed[1].data_ptr())
+    return launch_pass(launcher, q, k, v, out, initial_state, decay, seqs, dlog, forward_states)
+
+
+def launch_pass(launcher: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                initial_state: Optional[torch.Tensor], decay_ptr: int, seqs: Optional[tuple[int, int]] = None,
+                dlog: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
+                forward_states: Optional[tuple[torch.Tensor, tuple]] = None) -> Optional[torch.Tensor]:
+    """Run a planned pass (a :func:`pass_launcher` launch; :func:`kernel_forward` and the backward's
+    replayed plans) on these tensors with the decay at ``decay_ptr``: ``forward_states`` folded in
+    place of its states pass where they match (:func:`transposed_slots`), else ``seqs`` and
+    ``dlog`` (tensors, as :func:`kernel_forward` takes them) passed on as addresses."""
     slots = None if forward_states is None else transposed_slots(launcher, *forward_states)
     if slots is not None:
-        return launcher(q, k, v, out, initial_state, decay_ptr=decay, slots=slots)
+        return launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, slots=slots)
     if dlog is None:
-        return launcher(q, k, v, out, initial_state, decay_ptr=decay, seqs=seqs)
-    return launcher(q, k, v, out, initial_state, decay_ptr=decay, seqs=seqs,
+        return launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, seqs=seqs)
+    return launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, seqs=seqs,
                     dlog=(dlog[0].data_ptr(), dlog[1].data_ptr(), 0 if dlog[2] is None else dlog[2].data_ptr()))
