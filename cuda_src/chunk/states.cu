@@ -19,6 +19,11 @@
 // (large warp tiles: fewer shared-memory fragment loads per mma). STAGES chunks of k and v in
 // flight (cp.async), one barrier per chunk.
 //
+// TMA (Hopper, aligned rows, whole chunks): one thread loads each chunk as tensor copies (64-row
+// boxes of 64 columns through the k and v tensor maps, 128-byte swizzle) completing on the stage's
+// mbarrier, so the copies stay in flight while every warp computes, where cp.async would take the
+// computing threads' issue slots: the fragment loads then read the swizzled rows.
+//
 // DLOG (the split dq pass of a trainable decay, rtk_chunk_fwd's DLOG): each segment also carries
 // W = dS/dlog(gamma), W = gamma^len (W + len S) + sum_s (len-1-s) gamma^(len-1-s) k_s^T v_s from
 // 0, into the W slots that follow the S slots (W slot z + 1 at slot gridDim.z + 1 + z + 1); BV 64
@@ -33,25 +38,39 @@
 #include "loader.cuh"
 #include "modes.cuh"
 
-template <int KMAX, int BV, int STAGES>
+// Stage layout: k rows then v rows, padded by 16 bytes (cp.async), or for TMA unpadded boxes of
+// 64 columns, each 64 rows x 128 bytes, behind 1024 bytes of slack to align them and the stages'
+// mbarriers.
+template <int KMAX, int BV, int STAGES, bool TMA = false>
 struct rtk_chunk_states_smem {
-  static constexpr int C = 64, KS = KMAX + 8, VS = BV + 8;  // rows padded by 16 bytes
+  static constexpr int C = 64, KS = TMA ? KMAX : KMAX + 8, VS = TMA ? BV : BV + 8;
   static constexpr int K = 0, V = C * KS, STAGE = V + C * VS;
-  static constexpr int BYTES = STAGES * STAGE * 2;
+  static constexpr int BYTES = STAGES * STAGE * 2 + (TMA ? 1024 + 8 * STAGES : 0);
 };
 
-template <int DT, int KMAX, int BV, bool VEC, int STAGES, bool DLOG = false>
+// The tensor maps of k and v for the TMA instances (zeros for the others): rank 4, element
+// coordinates (column, token, head, batch) over the tensors as stored, boxes of 64 x 64.
+struct rtk_kv_maps {
+  rtk_tmap k, v;
+};
+
+template <int DT, int KMAX, int BV, bool VEC, int STAGES, bool DLOG = false, bool TMA = false>
 __global__ void __launch_bounds__(256, 2)
-rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p) {  // grid.z: slots - 1
+rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p,
+                 const __grid_constant__ rtk_kv_maps maps) {  // grid.z: slots - 1
   RTK_FWD_SHAPE(p.f);
   RTK_FWD_SIZES;
   const rtk_i64 seg_len = p.seg_len;  // p.mode: unused
-  typedef rtk_chunk_states_smem<KMAX, BV, STAGES> L;
+  typedef rtk_chunk_states_smem<KMAX, BV, STAGES, TMA> L;
   constexpr int C = L::C, KS = L::KS, VS = L::VS;
   constexpr int NT = BV / 16, MT = KMAX / 64;  // a warp's n-tiles (8 columns) and m-tiles (16 rows)
   static_assert(BV % 32 == 0 && KMAX % 64 == 0 && STAGES >= 2, "bad tile");
+  static_assert(!TMA || (VEC && BV % 64 == 0), "tensor copies take aligned rows and 64-column boxes");
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  rtk_u16* sm = reinterpret_cast<rtk_u16*>(smem_raw);
+  unsigned char* smem_base = smem_raw;
+  if constexpr (TMA) smem_base += (1024 - (rtk_smem_addr(smem_raw) & 1023)) & 1023;
+  rtk_u16* sm = reinterpret_cast<rtk_u16*>(smem_base);
+  const rtk_u32 bars = rtk_smem_addr(smem_base) + STAGES * L::STAGE * 2;  // TMA: a barrier per stage
 
   RTK_CHUNK_CTA(rtk_u16, 4);
   (void)out_warp; (void)kt_used; (void)ovec_full; (void)seq_bad; (void)out_scale;  // never packed
@@ -59,11 +78,22 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
 
   typedef rtk_chunk_loader<rtk_u16, KMAX, BV, 256> LD;
   const LD ld(tid, Dk, dv_here, kb, kb, vb, k_sn, k_sn, v_sn);
+  // TMA: a reversed pass (negative token strides) reads kernel row n from stored row N - 1 - n, so
+  // the box of a chunk starts at the stored row of its last token and its rows run backwards
+  const bool rev = k_sn < 0;
   auto load_chunk = [&](int chunk, int stage) {
     rtk_u16* sK = sm + stage * L::STAGE + L::K;
     rtk_u16* sV = sm + stage * L::STAGE + L::V;
     const int n0 = chunk * C;
-    if (VEC) {
+    if constexpr (TMA) {  // one thread
+      const int first = (int)n_begin + n0, y = rev ? N - first - C : first;
+      const rtk_u32 bar = bars + 8 * stage;
+      rtk_mbar_expect(bar, (KMAX + BV) * C * 2);
+      #pragma unroll
+      for (int i = 0; i < KMAX / 64; ++i) rtk_tensor_load4(rtk_smem_addr(sK) + i * C * 128, &maps.k, i * 64, y, h, b, bar);
+      #pragma unroll
+      for (int i = 0; i < BV / 64; ++i) rtk_tensor_load4(rtk_smem_addr(sV) + i * C * 128, &maps.v, v0 + i * 64, y, h, b, bar);
+    } else if (VEC) {
       ld.template copy<C, KS, VS>(0u, rtk_smem_addr(sK + ld.qrow * KS + ld.qcol),
                                   rtk_smem_addr(sV + ld.vrow * VS + ld.vcol), n0, NS, false);
     } else {
@@ -93,18 +123,42 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
     s0.load(s_acc, init_state);
     s0.store(s_acc, final_state);
   }
+  // the shared address of row `row` (kernel order), column `col` (a multiple of 8) of a stage's
+  // tile with `stride` elements a row (cp.async) or in 64-column swizzled boxes (TMA)
+  auto tile_addr = [&](rtk_u32 tile, int row, int col, int stride) -> rtk_u32 {
+    if constexpr (TMA)
+      return tile + (col >> 6) * C * 128 + rtk_swizzle128(rev ? C - 1 - row : row, (col & 63) >> 3);
+    else
+      return tile + 2 * (row * stride + col);
+  };
   const int nchunks = (NS + C - 1) / C;
-  #pragma unroll
-  for (int c = 0; c < STAGES - 1; ++c) {
-    if (c < nchunks) load_chunk(c, c);
-    rtk_cp_async_commit();
+  if constexpr (TMA) {
+    if (tid == 0) {
+      for (int i = 0; i < STAGES; ++i) rtk_mbar_init(bars + 8 * i);
+      rtk_mbar_init_fence();
+    }
+    __syncthreads();
+    if (tid == 0)
+      for (int c = 0; c < STAGES - 1 && c < nchunks; ++c) load_chunk(c, c);
+  } else {
+    #pragma unroll
+    for (int c = 0; c < STAGES - 1; ++c) {
+      if (c < nchunks) load_chunk(c, c);
+      rtk_cp_async_commit();
+    }
   }
   #pragma unroll 1
   for (int chunk = 0; chunk < nchunks; ++chunk) {
-    rtk_cp_async_wait<STAGES - 2>();
-    __syncthreads();  // chunk visible to all; everyone is done with the stage loaded next
-    if (chunk + STAGES - 1 < nchunks) load_chunk(chunk + STAGES - 1, (chunk + STAGES - 1) % STAGES);
-    rtk_cp_async_commit();
+    if constexpr (TMA) {
+      __syncthreads();  // everyone is done with the stage loaded next
+      if (tid == 0 && chunk + STAGES - 1 < nchunks) load_chunk(chunk + STAGES - 1, (chunk + STAGES - 1) % STAGES);
+      rtk_mbar_wait(bars + 8 * (chunk % STAGES), (chunk / STAGES) & 1);
+    } else {
+      rtk_cp_async_wait<STAGES - 2>();
+      __syncthreads();  // chunk visible to all; everyone is done with the stage loaded next
+      if (chunk + STAGES - 1 < nchunks) load_chunk(chunk + STAGES - 1, (chunk + STAGES - 1) % STAGES);
+      rtk_cp_async_commit();
+    }
     const int stage = chunk % STAGES;
     const int len = min(C, NS - chunk * C);
     const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
@@ -121,12 +175,12 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
         rtk_u32 a[MT][4], a2[MT][4], bb[NT / 2][4];  // a2: DLOG only
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-          rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * KS +
-                                                  sr0 + mt * 16 + ((lane >> 3) & 1) * 8));
+          rtk_ldsm_x4_trans(a[mt], tile_addr(sK_addr, kk * 16 + (lane & 7) + (lane >> 4) * 8,
+                                             sr0 + mt * 16 + ((lane >> 3) & 1) * 8, KS));
         #pragma unroll
         for (int np = 0; np < NT / 2; ++np)
-          rtk_ldsm_x4_trans(bb[np], sV_addr + 2 * ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + c0 +
-                                                   np * 16 + (lane >> 4) * 8));
+          rtk_ldsm_x4_trans(bb[np], tile_addr(sV_addr, kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                              c0 + np * 16 + (lane >> 4) * 8, VS));
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) kw.apply(a[mt], a2[mt]);
         #pragma unroll

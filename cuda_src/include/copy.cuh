@@ -1,5 +1,5 @@
-// copy.cuh -- shared-memory addresses, cp.async and bulk copies, ldmatrix/stmatrix, named barriers
-// (inline PTX, sm_80+; the bulk copies and stmatrix sm_90+).
+// copy.cuh -- shared-memory addresses, cp.async, bulk and tensor copies, mbarriers, ldmatrix/stmatrix,
+// named barriers (inline PTX, sm_80+; the bulk and tensor copies, mbarriers and stmatrix sm_90+).
 #pragma once
 #include "types.cuh"
 
@@ -37,6 +37,44 @@ template <int N> __device__ __forceinline__ void rtk_bulk_wait_read() {
 }
 template <int N> __device__ __forceinline__ void rtk_bulk_wait_all() {
   RTK_SM90_ASM("cp.async.bulk.wait_group %0;" :: "n"(N) : "memory");
+}
+// Tensor copies global -> shared (sm_90+), completing on an mbarrier. A barrier (8 bytes of shared
+// memory) counts one arrival a phase: the issuing thread announces the phase's bytes (expect), the
+// copies name the barrier, and rtk_mbar_wait returns once the phase of that parity has completed
+// (its bytes visible to the threads that waited).
+__device__ __forceinline__ void rtk_mbar_init(rtk_u32 bar) {
+  RTK_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void rtk_mbar_init_fence() {  // the inits seen by the copy engine
+  RTK_SM90_ASM("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void rtk_mbar_expect(rtk_u32 bar, rtk_u32 bytes) {
+  RTK_SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void rtk_mbar_wait(rtk_u32 bar, rtk_u32 parity) {
+  rtk_u32 done = 0;
+  do {
+    RTK_SM90_ASM("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+// A tensor map (CUtensorMap, built on the host by cuTensorMapEncodeTiled): opaque, 128 bytes,
+// 64-byte aligned; kernels take it as a __grid_constant__ parameter and name it by address.
+struct __align__(64) rtk_tmap {
+  unsigned long long words[16];
+};
+// The box of a rank-4 map at element coordinates (c0 innermost .. c3) to shared address `dst`
+// (1024-byte aligned for the 128-byte swizzle); elements outside the tensor arrive as zeros.
+__device__ __forceinline__ void rtk_tensor_load4(rtk_u32 dst, const rtk_tmap* map, int c0, int c1, int c2, int c3,
+                                                 rtk_u32 bar) {
+  RTK_SM90_ASM("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
+               :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+                  "r"(bar) : "memory");
+}
+// The byte offset of 16-byte piece `piece` (0..7) of row `row` in a box of 128-byte rows written
+// with the 128-byte swizzle: the piece index XORed with the row's place in its 8-row group.
+__device__ __forceinline__ rtk_u32 rtk_swizzle128(int row, int piece) {
+  return (rtk_u32)(row * 128 + ((piece ^ (row & 7)) << 4));
 }
 // Four 8x8 b16 matrices to shared memory (sm_90+); lane i gives the address of row (i % 8) of
 // matrix (i / 8), register j holds matrix j as an mma.sync accumulator pair (row lane / 4).

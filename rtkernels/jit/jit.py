@@ -26,6 +26,7 @@ from . import backend, driver, kernel_cache
 from .backend import backend_name, compiler_available
 from .compiler import BASE_OPTIONS
 from .sources import load_source
+from .tensor_map import TensorMaps
 
 __all__ = ["cupy_available", "compiler_available", "backend_name", "kernels_available", "get_function", "launch",
            "Kernel", "BoundLaunch", "compile_log"]
@@ -238,24 +239,27 @@ class Kernel:
         return {k: driver.func_get_attribute(self._ptr, a) for k, a in attr.items()}
 
     @staticmethod
-    def _layout(args: Sequence[Any], pointers: Optional[int]) -> tuple[struct.Struct, Any, int]:
+    def _layout(args: Sequence[Any], pointers: Optional[int], extra: int = 0) -> tuple[struct.Struct, Any, int]:
         """The packer of ``args``, its buffer, and the kernel-parameter array: one slot per
-        pointer, then the start of the struct (the remaining fields); ``pointers`` None: one slot
-        per argument (a kernel of 8-byte parameters only)."""
+        pointer, then the start of the struct (the remaining fields), then ``extra`` (the address
+        of one more parameter, when not 0); ``pointers`` None: one slot per argument (a kernel of
+        8-byte parameters only)."""
         import ctypes
 
         fmt = "<" + "".join("d" if isinstance(a, float) else "q" for a in args)
         buf = ctypes.create_string_buffer(8 * len(args))
         base = ctypes.addressof(buf)
         slots = len(args) if pointers is None else min(len(args), pointers + 1)
-        params = (ctypes.c_void_p * slots)(*[base + 8 * i for i in range(slots)])
+        addresses = [base + 8 * i for i in range(slots)] + ([extra] if extra else [])
+        params = (ctypes.c_void_p * len(addresses))(*addresses)
         return struct.Struct(fmt), (buf, params), ctypes.addressof(params)
 
     def bind(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, device_index: int,
-             n_head: int, tail: Sequence[Any]) -> "BoundLaunch":
+             n_head: int, tail: Sequence[Any], maps: Optional[TensorMaps] = None) -> "BoundLaunch":
         """This kernel with its grid, block, shared memory and the struct (``tail``) fixed; the
-        ``n_head`` pointer parameters come with each call: see :class:`BoundLaunch`."""
-        return BoundLaunch(self, grid, block, shared_mem, device_index, n_head, tuple(tail))
+        ``n_head`` pointer parameters come with each call: see :class:`BoundLaunch`. ``maps``: the
+        kernel's last parameter, tensor maps that follow the pointers of each call."""
+        return BoundLaunch(self, grid, block, shared_mem, device_index, n_head, tuple(tail), maps)
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: Sequence[Any],
                shared_mem: int, device_index: int, pointers: Optional[int] = None) -> None:
@@ -294,31 +298,34 @@ class BoundLaunch:
     """A launch of one kernel whose grid, block, shared memory and struct parameter are fixed:
     ``bound(*head)`` launches it on torch's current stream with its ``n_head`` pointer parameters
     (Python ints). The struct is packed once into a parameter buffer owned by this object, so a
-    call packs only the pointers (the host path of a cached API call)."""
+    call packs only the pointers (the host path of a cached API call). With ``maps``
+    (:class:`~rtkernels.jit.tensor_map.TensorMaps`, the kernel's last parameter) each call also
+    points the maps at their tensors among the pointers."""
 
-    __slots__ = ("kernel", "grid", "block", "shared_mem", "dev", "n_head", "tail", "_head", "_buf", "_params",
-                 "_lock")
+    __slots__ = ("kernel", "grid", "block", "shared_mem", "dev", "n_head", "tail", "maps", "_head", "_buf",
+                 "_params", "_lock")
 
     def __init__(self, kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
-                 device_index: int, n_head: int, tail: tuple):
+                 device_index: int, n_head: int, tail: tuple, maps: Optional[TensorMaps] = None):
         self.kernel, self.grid, self.block, self.shared_mem = kernel, grid, block, shared_mem
-        self.dev, self.n_head, self.tail = device_index, n_head, tail
+        self.dev, self.n_head, self.tail, self.maps = device_index, n_head, tail, maps
         self._lock = threading.Lock()
-        packer, (buf, params), self._params = Kernel._layout((0,) * n_head + tail, n_head)
+        packer, (buf, params), self._params = Kernel._layout((0,) * n_head + tail, n_head,
+                                                             0 if maps is None else maps.address)
         packer.pack_into(buf, 0, *((0,) * n_head), *tail)
         self._buf, self._head = (buf, params), struct.Struct(f"<{n_head}q")
 
     def __call__(self, *head: int) -> None:
-        k = self.kernel
         if torch._C._cuda_getDevice() != self.dev:
-            launch(k, self.grid, self.block, (*head, *self.tail), self.dev, shared_mem=self.shared_mem,
-                   pointers=self.n_head)
+            with torch.cuda.device(self.dev):  # the device's primary context current for the launch
+                self(*head)
             return
-        g, b = self.grid, self.block
         stream = _raw_stream(self.dev)
         with self._lock:
             self._head.pack_into(self._buf[0], 0, *head)
-            _launch(k, g, b, self.shared_mem, stream, self._params, self.dev)
+            if self.maps is not None:
+                self.maps.update(head)
+            _launch(self.kernel, self.grid, self.block, self.shared_mem, stream, self._params, self.dev)
 
 
 def launch(fn: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int],

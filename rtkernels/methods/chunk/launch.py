@@ -13,13 +13,33 @@ from ...autotune.keys import dtype_name
 from ...autotune.space import Config, Limits, Problem
 from ...decay import LogDecay
 from ...jit import get_function, launch as _launch_kernel
+from ...jit.tensor_map import TensorMaps
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
 from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE, STATES_SOURCE, Launch, _sm_count,
                    _smem_limit, aligned, current_overrides, dlog_launch, fold_parts, key_pieces, packed_launch,
-                   plan_launch, split, states_config, states_name, states_smem_bytes, tuned_launch)
+                   plan_launch, split, states_config, states_name, states_smem_bytes, states_tma, tuned_launch)
 
 __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "pass_launcher",
            "launch_pass", "transposed_slots", "call_pieces"]
+
+
+#: The states kernel's tensor-map parameter for its cp.async instances (never read: zeros).
+_NO_MAPS = TensorMaps(2)
+
+
+def _kv_maps(k: torch.Tensor, v: torch.Tensor, offsets: Optional[tuple[int, ...]]) -> TensorMaps:
+    """The states kernel's tensor maps of k and v (``[B, H, N, D]`` views, 16-bit): element
+    coordinates (column, token, head, batch) over the memory as stored, boxes of 64 columns x 64
+    tokens; each follows its pointer of a call (head pointers 1 and 2, less the reversed pass's
+    offset of the last row). :data:`_NO_MAPS` where the driver refuses either."""
+    maps = TensorMaps(2, [(1, offsets[1] if offsets else 0), (2, offsets[2] if offsets else 0)])
+    for i, x in enumerate((k, v)):
+        b, h, n, d = x.shape
+        es = x.element_size()
+        strides = (abs(x.stride(2)) * es, x.stride(1) * es, x.stride(0) * es)
+        if not maps.encode(i, x.data_ptr(), (d, n, h, b), strides, (64, 64, 1, 1)):
+            return _NO_MAPS
+    return maps
 
 
 def pass_launch(dtype: torch.dtype, b: int, h: int, n: int, dk: int, dv: int, dev: int, vec: bool, exact: bool,
@@ -122,15 +142,17 @@ class ChunkLaunch:
         self.fold = None
         fold_len = seg_len
         if fold:  # the states pass over slots of fold_len tokens, parts of the segments but the last
-            sc = states_config(q.dtype, dk, dv, vec, _smem_limit(dev), dlog)
-            ssmem = states_smem_bytes(sc[1], sc[2], sc[4])
+            maps = _kv_maps(k, v, self.offsets) if states_tma(dev, vec, over) else _NO_MAPS
+            tma = maps is not _NO_MAPS
+            sc = states_config(q.dtype, dk, dv, vec, _smem_limit(dev), dlog, tma)
+            ssmem = states_smem_bytes(sc[1], sc[2], sc[4], tma)
             tiles = bh * -(-dv // sc[2])
             parts = fold_parts(seg_len, nseg, tiles, _sm_count(dev))
             fold_len = seg_len // parts
             self.slots = ((nseg - 1) * parts + 1) * (2 if dlog else 1)
             sfn = get_function(STATES_SOURCE, states_name(sc), dev, dynamic_smem=ssmem)
             self.states = sfn.bind((bh, -(-dv // sc[2]), (nseg - 1) * parts), block, ssmem, dev, FWD_POINTERS,
-                                   (*tail, fold_len, 0, fold_len, *NO_EXTRAS))
+                                   (*tail, fold_len, 0, fold_len, *NO_EXTRAS), maps)
             if not dlog:
                 self.fold = (nseg, fold_len, self.slots, self.state_shape)
         mode_k = MODE_FOLD if fold else MODE_FUSED

@@ -75,12 +75,16 @@ def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, ctas: int = 0
     return dtype_code(dtype), kmax, bv, vec, 1 if ctas <= sms else 2, False
 
 
-def states_smem_bytes(kmax: int, bv: int, stages: int) -> int:
-    """Dynamic shared memory of ``rtk_chunk_states`` (mirrors rtk_chunk_states_smem in the kernel)."""
+def states_smem_bytes(kmax: int, bv: int, stages: int, tma: bool = False) -> int:
+    """Dynamic shared memory of ``rtk_chunk_states`` (mirrors rtk_chunk_states_smem in the kernel):
+    rows padded by 16 bytes, or for ``tma`` unpadded plus the alignment slack and the barriers."""
+    if tma:
+        return 2 * stages * CHUNK_KERNEL * (kmax + bv) + 1024 + 8 * stages
     return 2 * stages * CHUNK_KERNEL * ((kmax + 8) + (bv + 8))
 
 
-def states_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, smem_limit: int, dlog: bool = False) -> tuple:
+def states_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, smem_limit: int, dlog: bool = False,
+                  tma: bool = False) -> tuple:
     """Template arguments (DT, KMAX, BV, VEC, STAGES) of ``rtk_chunk_states``, the states-only
     pass of the split-sequence strategy for 16-bit inputs: BV 128 where KMAX <= 128 (k read once
     for up to 128 value columns: the pass is bandwidth-bound), else 64 (registers); 3 chunk stages
@@ -89,12 +93,24 @@ def states_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, smem_limit: i
     3 stages 115, 111, 100, 93-97 us; three stages beat four by 1.5-3 % on four split shapes;
     docs/performance.md, session 13). ``dlog``: the instance that also carries W = dS/dlog(gamma)
     for the split dq pass of a trainable decay (BV 64, as that pass's tiles: S and W in registers),
-    with a sixth argument, DLOG = true; its stages were not measured again."""
+    with a sixth argument, DLOG = true; its stages were not measured again. ``tma`` (aligned rows
+    on compute capability 9.0; :func:`states_tma`): tiles loaded by tensor copies, the seventh
+    argument TMA = true (DLOG then given as the sixth)."""
     kmax = _kmax(dk)
     bv = 64 if dlog or kmax > 128 else 128
     most = 4 if dlog else 3
-    stages = most if states_smem_bytes(kmax, bv, most) <= smem_limit else 2
-    return (dtype_code(dtype), kmax, bv, vec, stages) + ((True,) if dlog else ())
+    stages = most if states_smem_bytes(kmax, bv, most, tma) <= smem_limit else 2
+    tail = (dlog, True) if tma else (True,) if dlog else ()
+    return (dtype_code(dtype), kmax, bv, vec, stages) + tail
+
+
+def states_tma(dev: int, vec: bool, over: "Overrides") -> bool:
+    """Whether the states pass loads its tiles by tensor copies: on compute capability 9.0, every
+    operand row 16-byte aligned (their strides then suit a tensor map), unless
+    ``Overrides.tensor_copies`` is False. The launch still falls back when the driver refuses a
+    map. Why: one thread's copies stay in flight while all warps compute, where the warps' own
+    cp.async costs them issue slots (H100: docs/performance.md, session 15)."""
+    return vec and over.tensor_copies and _capability(dev) == (9, 0)
 
 
 def fold_parts(seg_len: int, segments: int, tiles: int, sms: int) -> int:
@@ -122,7 +138,10 @@ def states_name(config: tuple) -> str:
 def _states_configs() -> set[tuple]:
     plain = {states_config(dt, dk, 128, vec, limit) for dt in (torch.float16, torch.bfloat16)
              for dk in (64, 128, 256) for vec in (False, True) for limit in (SMEM_LIMIT_SM90, *SMEM_LIMITS_OTHER)}
-    return plain | {states_config(torch.bfloat16, dk, 64, True, SMEM_LIMIT_SM90, dlog=True) for dk in (64, 128)}
+    tma = {states_config(dt, dk, 128, True, SMEM_LIMIT_SM90, dlog, tma=True) for dt in (torch.float16, torch.bfloat16)
+           for dk in (64, 128, 256) for dlog in (False, True) if not dlog or (dt == torch.bfloat16 and dk <= 128)}
+    dlog = {states_config(torch.bfloat16, dk, 64, True, SMEM_LIMIT_SM90, dlog=True) for dk in (64, 128)}
+    return plain | dlog | tma
 
 
 def all_configs() -> list[tuple]:
@@ -271,8 +290,12 @@ def _sm_count(dev: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _capability(dev: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(dev)
+
+
 def _is_sm90(dev: int) -> bool:
-    return torch.cuda.get_device_capability(dev) == (9, 0) and os.environ.get("RTKERNELS_NO_WGMMA") != "1"
+    return _capability(dev) == (9, 0) and os.environ.get("RTKERNELS_NO_WGMMA") != "1"
 
 
 def _wgmma_ok(dev: int, overrides: Overrides) -> bool:
@@ -297,7 +320,8 @@ class Overrides:
     Dk > :data:`KEY_PIECE` on the wgmma kernel as pieces of key columns (True, where wgmma runs),
     or the Dk-256 mma.sync kernel in one pass (False); None: the tuned config, else pieces where
     wgmma runs. ``stages``: chunk stages of q/k/v tiles of the wgmma kernel (2 or 3; 3 only where
-    every operand row is 16-byte aligned); None: :func:`default_stages`."""
+    every operand row is 16-byte aligned); None: :func:`default_stages`. ``tensor_copies``: the
+    states pass loads by tensor copies where it can (:func:`states_tma`), or always by cp.async."""
 
     segments: Optional[int] = None
     wgmma: Optional[bool] = None
@@ -305,6 +329,7 @@ class Overrides:
     dedicated_states: bool = True
     key_pieces: Optional[bool] = None
     stages: Optional[int] = None
+    tensor_copies: bool = True
 
     @property
     def steers_plan(self) -> bool:
