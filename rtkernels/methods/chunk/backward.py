@@ -106,7 +106,8 @@ def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: L
                  out: torch.Tensor, initial_state: Optional[torch.Tensor], need_state: bool,
                  reverse: bool, fp32_precision: str = "exact", on_kernel: Optional[bool] = None,
                  dlog: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                 forward_states: Optional[tuple[torch.Tensor, tuple]] = None) -> Optional[torch.Tensor]:
+                 forward_states: Optional[tuple[torch.Tensor, tuple]] = None,
+                 keep: Optional[list] = None) -> Optional[torch.Tensor]:
     """The forward operator into ``out`` (``[B, H, N, Dv]``), in token order or, with ``reverse``,
     on the reversed sequence with its output written back in reverse order (``initial_state``
     entering before token N-1, the final state, returned when ``need_state``, after token 0).
@@ -115,11 +116,11 @@ def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: L
     otherwise the torch ``chunk`` path in the compute dtype on ``torch.flip``-ped copies.
     Work O(N C (Dk + Dv) + N Dk Dv). ``on_kernel``: :func:`kernel_runs` for these operands, if the
     caller knows it already. ``dlog``: (x, partial sums) for the dq pass that also sums dlog(gamma)
-    (kernel only; :func:`.decay_grad.dq_pass_sums` decides). ``forward_states``: the forward's
-    states-pass slots for the dq pass (kernel only; :func:`.launch.transposed_slots`)."""
+    (kernel only; :func:`.decay_grad.dq_pass_sums` decides). ``forward_states``, ``keep``: another
+    pass's states-pass slots to fold, a list for this pass's (kernel only; :func:`.launch.launch_pass`)."""
     if kernel_runs(q, k, v, out) if on_kernel is None else on_kernel:
         return launch.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state, fp32_precision,
-                                     reverse=reverse, dlog=dlog, forward_states=forward_states)
+                                     reverse=reverse, dlog=dlog, forward_states=forward_states, keep=keep)
     if not reverse:
         return run_torch_path(torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)
     flipped = torch.empty_like(out)
@@ -163,7 +164,9 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
     pass also writes its partial sums of dlog(gamma) there (``run`` then takes ``dlog=(q, it,
     dlog_g)``), with the term of the final state's gradient ``dlog_g`` (fp32 contiguous) if given.
     ``forward_states``: the forward's states-pass slots, handed to the dq pass (``run`` then takes
-    ``states=``), which folds them instead of running its own states pass where they match."""
+    ``states=``), which folds them instead of running its own states pass where they match. The dk
+    pass keeps its slots (``run`` takes ``keep=``, a list) and the dv pass folds them the same way:
+    its states are their transposes (:func:`.launch.transposed_slots`)."""
     cdt = compute_dtype(q.dtype)
     dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
@@ -172,8 +175,9 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
         run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, **extra)
     else:
         run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, dlog=(q, dlog_partials, dlog_g), **extra)
-    run(v, grad_out, q, log_decay, scale, dk, None, False, True)
-    back = run(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True)
+    kept: list = []
+    run(v, grad_out, q, log_decay, scale, dk, None, False, True, keep=kept)
+    back = run(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, **({"states": kept[0]} if kept else {}))
     # log(gamma) in torch only where the state terms need it (a device decay costs several ops)
     lg = log_decay.tensor(cdt) if need_state_grad or grad_state is not None else None
     d_s0 = back.to(cdt) * (scale * torch.exp(lg)).view(-1, 1, 1) if need_state_grad else None
@@ -194,9 +198,10 @@ class _PlannedBackward(NamedTuple):
         ``data_ptr()``; ``out``'s alignment never shaped them)."""
         passes = iter(self.passes)
 
-        def run(q, k, v, log_decay_, scale, out, initial_state, need_state, reverse, dlog=None, states=None):
+        def run(q, k, v, log_decay_, scale, out, initial_state, need_state, reverse, dlog=None, states=None,
+                keep=None):
             return launch.launch_pass(next(passes), q, k, v, out, initial_state, decay, dlog=dlog,
-                                      forward_states=states)
+                                      forward_states=states, keep=keep)
         return run
 
 
@@ -253,12 +258,13 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
                 x.stride(-1) == 1 for x in (q, k, v, grad_out)):  # every pass a kernel_forward launch
             planning = []
 
-        def run(q_, k_, v_, log_decay_, scale_, out, initial_state_, need_state, reverse, dlog=None, states=None):
+        def run(q_, k_, v_, log_decay_, scale_, out, initial_state_, need_state, reverse, dlog=None, states=None,
+                keep=None):
             if planning is not None:  # the launch kernel_forward takes (unit strides: no copies)
                 planning.append(launch.pass_launcher(q_, k_, v_, log_decay_, scale_, out, need_state, fp32_precision,
                                                      reverse=reverse, dlog=dlog is not None))
             return forward_pass(q_, k_, v_, log_decay_, scale_, out, initial_state_, need_state, reverse,
-                                fp32_precision, on_kernel, dlog, states)
+                                fp32_precision, on_kernel, dlog, states, keep)
 
     partials = None if sums is None else sums.buffer()
     g_fp32 = None if sums is None or grad_state is None else grad_state.to(torch.float32).contiguous()

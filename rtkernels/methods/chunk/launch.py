@@ -259,10 +259,12 @@ class KeyPiecesLaunch:
 
 
 def transposed_slots(launcher: Any, slots: torch.Tensor, fold: tuple) -> Optional[torch.Tensor]:
-    """A forward's states-pass ``slots`` (its :attr:`ChunkLaunch.fold` ``fold``) as the slots of
-    ``launcher``, the backward's dq pass F(g, v, k, S_0^T), whose states are the transposes of the
-    forward's (sum v^T k = (sum k^T v)^T, the same weights): transposed (one copy of the slots)
-    where the dq pass splits the sequence the same way, else None (it runs its own states pass)."""
+    """One pass's states-pass ``slots`` (its :attr:`ChunkLaunch.fold` ``fold``) as the slots of
+    ``launcher``, a pass whose states are their transposes over the same tokens with the same
+    weights: the backward's dq pass F(g, v, k, S_0^T) after the forward F(q, k, v) (sum v^T k =
+    (sum k^T v)^T), and its dv pass R(k, q, g) after its dk pass R(v, g, q) (sum q^T g = (sum g^T
+    q)^T). Transposed (one copy of the slots) where ``launcher`` splits the sequence the same way,
+    else None (it runs its own states pass)."""
     mine = getattr(launcher, "fold", None)  # None: a launch without them (key pieces, one pass, DLOG)
     nseg, fold_len, count, (b, h, dk, dv) = fold
     if mine is None or mine != (nseg, fold_len, count, (b, h, dv, dk)):
@@ -330,7 +332,8 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
                    need_state: bool, fp32_precision: str = "exact", *, reverse: bool = False,
                    packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                    dlog: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
-                   forward_states: Optional[tuple[torch.Tensor, tuple]] = None) -> Optional[torch.Tensor]:
+                   forward_states: Optional[tuple[torch.Tensor, tuple]] = None,
+                   keep: Optional[list] = None) -> Optional[torch.Tensor]:
     """One fused pass, or with few (batch, head, value-tile) CTAs the split-sequence strategy:
     a states-only pass (``rtk_chunk_states`` for 16-bit inputs, which skips the last segment; the
     fused kernel's states-only mode plus a scan kernel for fp32), then the fused pass per segment
@@ -355,9 +358,10 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     x has v's shape and strides; g, the gradient of the forward's final state (fp32 contiguous
     ``[rows, H, Dv, Dk]`` in this pass's terms) or None, adds its term <g, W_end>.
 
-    ``forward_states``: ``(slots, fold)`` a forward kept (:class:`ChunkLaunch`'s ``keep``), for the
-    backward's dq pass: taken in place of its own states pass where they match
-    (:func:`transposed_slots`).
+    ``forward_states``: ``(slots, fold)`` another pass kept (the forward's for the backward's dq
+    pass, the dk pass's for the dv pass): taken in place of this pass's own states pass where they
+    match (:func:`transposed_slots`). ``keep``: a list that gets this pass's ``(slots, fold)`` where
+    it runs a states pass (:func:`launch_pass`).
 
     The plan is kept by call signature (:func:`pass_launcher`), so a repeated pass costs its launches."""
     q, k, v = unit_stride(q, k, v)
@@ -366,21 +370,31 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
                              sequences=sequences, dlog=dlog is not None)
     decay = log_decay.kernel_arg()[0]
     seqs = None if packed is None else (packed[0].data_ptr(), packed[1].data_ptr())
-    return launch_pass(launcher, q, k, v, out, initial_state, decay, seqs, dlog, forward_states)
+    return launch_pass(launcher, q, k, v, out, initial_state, decay, seqs, dlog, forward_states, keep)
 
 
 def launch_pass(launcher: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 initial_state: Optional[torch.Tensor], decay_ptr: int, seqs: Optional[tuple[int, int]] = None,
                 dlog: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
-                forward_states: Optional[tuple[torch.Tensor, tuple]] = None) -> Optional[torch.Tensor]:
+                forward_states: Optional[tuple[torch.Tensor, tuple]] = None,
+                keep: Optional[list] = None) -> Optional[torch.Tensor]:
     """Run a planned pass (a :func:`pass_launcher` launch; :func:`kernel_forward` and the backward's
     replayed plans) on these tensors with the decay at ``decay_ptr``: ``forward_states`` folded in
     place of its states pass where they match (:func:`transposed_slots`), else ``seqs`` and
-    ``dlog`` (tensors, as :func:`kernel_forward` takes them) passed on as addresses."""
+    ``dlog`` (tensors, as :func:`kernel_forward` takes them) passed on as addresses. ``keep``: where
+    the pass runs the dedicated states pass (its launcher has a ``fold``), ``(slots, fold)`` is
+    appended to it, for a later pass whose states are the transposes of these."""
     slots = None if forward_states is None else transposed_slots(launcher, *forward_states)
     if slots is not None:
         return launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, slots=slots)
+    fold = None if keep is None else getattr(launcher, "fold", None)
+    mine: Optional[list] = None if fold is None else []
+    extra = {} if mine is None else {"keep": mine}
     if dlog is None:
-        return launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, seqs=seqs)
-    return launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, seqs=seqs,
-                    dlog=(dlog[0].data_ptr(), dlog[1].data_ptr(), 0 if dlog[2] is None else dlog[2].data_ptr()))
+        state = launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, seqs=seqs, **extra)
+    else:
+        state = launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, seqs=seqs, **extra,
+                         dlog=(dlog[0].data_ptr(), dlog[1].data_ptr(), 0 if dlog[2] is None else dlog[2].data_ptr()))
+    if mine:
+        keep.append((mine[0], fold))
+    return state

@@ -196,7 +196,7 @@ def packed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
         partials = sums.buffer()
         g_fp32 = None if grad_state is None else grad_state.to(torch.float32).contiguous()
 
-    def run(*args, **kw):  # one kernel pass over the same sequences
+    def run(*args, keep=None, **kw):  # one kernel pass over the same sequences (one segment: no slots to keep)
         return forward_pass(*args, fp32_precision, packed, **kw)
 
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
