@@ -237,6 +237,26 @@ def _drive_split(dedicated: bool) -> Optional[str]:
     return None
 
 
+def _drive_states_tma() -> Optional[str]:
+    """The states pass's tensor-copy instances (chunk/states.cu TMA: Hopper, aligned rows, Dk > 64):
+    forward passes with two value tiles and KMAX 256, and a training step whose reversed dk and dv
+    passes load their boxes backwards (and the dv pass folds the dk pass's slots)."""
+    from rtkernels.methods import chunk
+
+    if not _hopper():
+        return "tensor copies need compute capability 9.0"
+    torch = _torch()
+    with chunk.override(segments=3):
+        for dt in (torch.float16, torch.bfloat16):
+            _forward(*_qkv(1, 2, 700, 128, 96, dt), "chunk", f"states by tensor copies {dt}", state=True)
+            _forward(*_qkv(1, 1, 640, 256, 200, dt, seed=1), "chunk", f"tensor copies, KMAX 256, two value tiles {dt}",
+                     state=True)
+        _train(*_qkv(1, 2, 700, 128, 128, torch.bfloat16, seed=2), "tensor copies, reversed passes", state=False)
+        _train(*_qkv(1, 2, 700, 128, 128, torch.bfloat16, seed=3), "tensor copies, trainable decay", decay_grad=True,
+               state=False)
+    return None
+
+
 def _drive_f32(precision: str) -> Optional[str]:
     from rtkernels.methods import chunk
 
@@ -454,6 +474,7 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
     "fwd16-wgmma-stages3": (lambda: (_drive_fwd16(True, 64, 3) or _drive_fwd16(True, 128, 3)),
                             "chunk/fwd16.cu, wgmma, three tile stages, BV 64 and 128 (one output buffer)"),
     "split-states": (lambda: _drive_split(True), "chunk/states.cu + fwd16 folding its slots (3 segments; 2 of 2 slots)"),
+    "states-tma": (_drive_states_tma, "chunk/states.cu by tensor copies (3 segments; forward, reversed and DLOG passes)"),
     "split-segscan": (lambda: _drive_split(False), "fwd16 states-only pass + chunk/seg_scan.cu"),
     "f32-exact": (lambda: _drive_f32("exact"), "chunk/fwd_f32.cu 3xTF32, one pass and split (+ seg_scan)"),
     "f32-tf32": (lambda: _drive_f32("tf32"), "chunk/fwd_f32.cu TF32, one pass and split (+ seg_scan)"),

@@ -142,7 +142,7 @@ class ChunkLaunch:
         self.fold = None
         fold_len = seg_len
         if fold:  # the states pass over slots of fold_len tokens, parts of the segments but the last
-            maps = _kv_maps(k, v, self.offsets) if states_tma(dev, vec, over) else _NO_MAPS
+            maps = _kv_maps(k, v, self.offsets) if states_tma(dev, dk, vec, over) else _NO_MAPS
             tma = maps is not _NO_MAPS
             sc = states_config(q.dtype, dk, dv, vec, _smem_limit(dev), dlog, tma)
             ssmem = states_smem_bytes(sc[1], sc[2], sc[4], tma)

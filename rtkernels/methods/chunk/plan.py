@@ -104,13 +104,14 @@ def states_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, smem_limit: i
     return (dtype_code(dtype), kmax, bv, vec, stages) + tail
 
 
-def states_tma(dev: int, vec: bool, over: "Overrides") -> bool:
+def states_tma(dev: int, dk: int, vec: bool, over: "Overrides") -> bool:
     """Whether the states pass loads its tiles by tensor copies: on compute capability 9.0, every
-    operand row 16-byte aligned (their strides then suit a tensor map), unless
+    operand row 16-byte aligned (their strides then suit a tensor map), Dk > 64, unless
     ``Overrides.tensor_copies`` is False. The launch still falls back when the driver refuses a
-    map. Why: one thread's copies stay in flight while all warps compute, where the warps' own
-    cp.async costs them issue slots (H100: docs/performance.md, session 15)."""
-    return vec and over.tensor_copies and _capability(dev) == (9, 0)
+    map. Measured on an H100 (docs/performance.md, session 15): the pass 4-7 % faster at Dk = 128
+    and 256 with 32k and 128k tokens, even at (1, 32, 16384, 128); 8 % slower at Dk = 64 whatever
+    the stage count, which keeps cp.async."""
+    return vec and over.tensor_copies and _kmax(dk) >= 128 and _capability(dev) == (9, 0)
 
 
 def fold_parts(seg_len: int, segments: int, tiles: int, sms: int) -> int:
@@ -139,7 +140,7 @@ def _states_configs() -> set[tuple]:
     plain = {states_config(dt, dk, 128, vec, limit) for dt in (torch.float16, torch.bfloat16)
              for dk in (64, 128, 256) for vec in (False, True) for limit in (SMEM_LIMIT_SM90, *SMEM_LIMITS_OTHER)}
     tma = {states_config(dt, dk, 128, True, SMEM_LIMIT_SM90, dlog, tma=True) for dt in (torch.float16, torch.bfloat16)
-           for dk in (64, 128, 256) for dlog in (False, True) if not dlog or (dt == torch.bfloat16 and dk <= 128)}
+           for dk in (128, 256) for dlog in (False, True) if not dlog or (dt == torch.bfloat16 and dk == 128)}
     dlog = {states_config(torch.bfloat16, dk, 64, True, SMEM_LIMIT_SM90, dlog=True) for dk in (64, 128)}
     return plain | dlog | tma
 
