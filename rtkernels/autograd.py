@@ -310,13 +310,12 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
             ctx.mark_dirty(out)
         ctx.forward_states = None
         if call.launcher is not None:  # planned on these strides, any layout (it reads the pointers); a CUDA
-            fold = getattr(call.launcher, "fold", None)  # decay tensor as it is
-            if fold is None:
+            if getattr(call.launcher, "fold", None) is None:  # decay tensor as it is
                 state = call.launcher(q, k, v, out, initial_state, call.log_decay.raw)
-            else:  # split with a states pass: its slots serve the backward's dq pass too
+            else:  # split with a states pass: its (slots, fold) serve the backward's dq pass too
                 keep: list = []
                 state = call.launcher(q, k, v, out, initial_state, call.log_decay.raw, keep=keep)
-                ctx.forward_states = (keep[0], fold) if keep else None
+                ctx.forward_states = keep[0] if keep else None
         else:
             out_view = out
             if call.bnhd:

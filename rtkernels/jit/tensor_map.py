@@ -6,7 +6,7 @@ as a ``__grid_constant__`` parameter. Only the base address changes between call
 the same shape and strides, and the driver swaps it in place (``cuTensorMapReplaceAddress``), so a
 planned launch encodes its maps once and each call pays one short driver call per map whose
 tensor moved. Both calls go through ctypes on ``libcuda``; where it cannot be opened that way,
-:func:`available` is False and callers keep their other load path.
+:meth:`TensorMaps.encode` answers False and callers keep their other load path.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 from . import driver
 
-__all__ = ["MAP_BYTES", "TensorMaps", "available"]
+__all__ = ["MAP_BYTES", "TensorMaps"]
 
 #: Size of one tensor map; its alignment is 64 bytes.
 MAP_BYTES = 128
@@ -40,11 +40,6 @@ def _calls() -> Optional[tuple[Any, Any]]:
     rep.argtypes = [vp, vp]
     enc.restype = rep.restype = ctypes.c_int
     return enc, rep
-
-
-def available() -> bool:
-    """Whether the driver's tensor-map calls can be reached (ctypes on ``libcuda``)."""
-    return _calls() is not None
 
 
 class TensorMaps:

@@ -94,9 +94,10 @@ class ChunkLaunch:
 
     ``fold``: for a split launch with the dedicated states pass (16-bit, not ``dlog``), what its
     slots are: ``(segments, fold_len, slots, state_shape)``, else None. A call may hand back its
-    slots (``keep``, a list it appends them to: the forward of a training step keeps them for the
-    backward's dq pass) or take them instead of running its states pass (``slots``: fp32
-    contiguous ``[slots, *state_shape]``, slot 0 the initial state, as the states pass writes them).
+    slots (``keep``, a list it appends ``(slots, fold)`` to: the forward of a training step keeps
+    them for the backward's dq pass, the dk pass for the dv pass) or take them instead of running
+    its states pass (``slots``: fp32 contiguous ``[slots, *state_shape]``, slot 0 the initial
+    state, as the states pass writes them).
     """
 
     __slots__ = ("fused", "states", "scan", "device", "log_decay", "decay_ptr", "nseg", "slots", "state_shape",
@@ -203,7 +204,7 @@ class ChunkLaunch:
             self.states(qp, kp, vp, op, dp, s0p, local.data_ptr())
             s0p = local.data_ptr()
             if keep is not None and self.fold is not None:
-                keep.append(local)
+                keep.append((local, self.fold))
         if self.packed is not None:
             fn, grid, block, smem, dev, tail, rev = self.packed
             _launch_kernel(fn, grid, block, (qp, kp, vp, op, dp, s0p, fp, *tail, *(seqs or (0, 0)), rev,
@@ -387,14 +388,9 @@ def launch_pass(launcher: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     slots = None if forward_states is None else transposed_slots(launcher, *forward_states)
     if slots is not None:
         return launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, slots=slots)
-    fold = None if keep is None else getattr(launcher, "fold", None)
-    mine: Optional[list] = None if fold is None else []
-    extra = {} if mine is None else {"keep": mine}
+    # only a ChunkLaunch with a states pass keeps slots (key pieces take no keep=)
+    extra = {"keep": keep} if keep is not None and getattr(launcher, "fold", None) is not None else {}
     if dlog is None:
-        state = launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, seqs=seqs, **extra)
-    else:
-        state = launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, seqs=seqs, **extra,
-                         dlog=(dlog[0].data_ptr(), dlog[1].data_ptr(), 0 if dlog[2] is None else dlog[2].data_ptr()))
-    if mine:
-        keep.append((mine[0], fold))
-    return state
+        return launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, seqs=seqs, **extra)
+    return launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, seqs=seqs, **extra,
+                    dlog=(dlog[0].data_ptr(), dlog[1].data_ptr(), 0 if dlog[2] is None else dlog[2].data_ptr()))
