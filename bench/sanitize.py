@@ -238,9 +238,10 @@ def _drive_split(dedicated: bool) -> Optional[str]:
 
 
 def _drive_states_tma() -> Optional[str]:
-    """The states pass's tensor-copy instances (chunk/states.cu TMA: Hopper, aligned rows, Dk > 64):
-    forward passes with two value tiles and KMAX 256, and a training step whose reversed dk and dv
-    passes load their boxes backwards (and the dv pass folds the dk pass's slots)."""
+    """The states pass's Hopper instances (chunk/states.cu TMA: tensor copies and wgmma, aligned
+    rows): forward passes with two value tiles, KMAX 256 (S split by rows) and KMAX 64 (S split by
+    value columns), and a training step whose reversed dk and dv passes load their boxes backwards
+    (and the dv pass folds the dk pass's slots)."""
     from rtkernels.methods import chunk
 
     if not _hopper():
@@ -251,6 +252,7 @@ def _drive_states_tma() -> Optional[str]:
             _forward(*_qkv(1, 2, 700, 128, 96, dt), "chunk", f"states by tensor copies {dt}", state=True)
             _forward(*_qkv(1, 1, 640, 256, 200, dt, seed=1), "chunk", f"tensor copies, KMAX 256, two value tiles {dt}",
                      state=True)
+            _forward(*_qkv(1, 2, 700, 64, 100, dt, seed=4), "chunk", f"tensor copies, KMAX 64 {dt}", state=True)
         _train(*_qkv(1, 2, 700, 128, 128, torch.bfloat16, seed=2), "tensor copies, reversed passes", state=False)
         _train(*_qkv(1, 2, 700, 128, 128, torch.bfloat16, seed=3), "tensor copies, trainable decay", decay_grad=True,
                state=False)
@@ -474,7 +476,7 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
     "fwd16-wgmma-stages3": (lambda: (_drive_fwd16(True, 64, 3) or _drive_fwd16(True, 128, 3)),
                             "chunk/fwd16.cu, wgmma, three tile stages, BV 64 and 128 (one output buffer)"),
     "split-states": (lambda: _drive_split(True), "chunk/states.cu + fwd16 folding its slots (3 segments; 2 of 2 slots)"),
-    "states-tma": (_drive_states_tma, "chunk/states.cu by tensor copies (3 segments; forward, reversed and DLOG passes)"),
+    "states-tma": (_drive_states_tma, "chunk/states.cu by tensor copies and wgmma (3 segments; forward, reversed and DLOG passes)"),
     "split-segscan": (lambda: _drive_split(False), "fwd16 states-only pass + chunk/seg_scan.cu"),
     "f32-exact": (lambda: _drive_f32("exact"), "chunk/fwd_f32.cu 3xTF32, one pass and split (+ seg_scan)"),
     "f32-tf32": (lambda: _drive_f32("tf32"), "chunk/fwd_f32.cu TF32, one pass and split (+ seg_scan)"),

@@ -1,8 +1,9 @@
-"""Scratch: the states pass (``rtk_chunk_states``) loading its tiles by tensor copies (the default
-on Hopper with aligned rows) against cp.async (``Overrides(tensor_copies=False)``), on split
-shapes: the forward replayed from a CUDA graph, the states kernel's own time (torch.profiler),
-and training steps back to back with a fixed and a trainable decay, rounds alternating. The two
-ways must give the same bits (same data, same products in the same order); the script says so.
+"""Scratch: the states pass (``rtk_chunk_states``) in its Hopper instance (tiles by tensor copies,
+the state on wgmma: the default with aligned rows) against cp.async and mma.sync
+(``Overrides(tensor_copies=False)``), on split shapes: the forward replayed from a CUDA graph, the
+states kernel's own time (torch.profiler), and training steps back to back with a fixed and a
+trainable decay, rounds alternating; the largest difference between the two ways' outputs and
+gradients, relative to each tensor's largest value (the sums run in another order).
 
     python bench/profiling/time_tensor_copies.py
 """
@@ -32,7 +33,7 @@ def states_us(fn) -> float:
 
 
 print(torch.cuda.get_device_name())
-print("| shape | fwd graph ms (cp.async / tensor) | states µs | step fixed ms | step trainable ms | same bits |")
+print("| shape | fwd graph ms (cp.async / tensor) | states µs | step fixed ms | step trainable ms | max rel diff |")
 print("|---|---|---|---|---|---|")
 for name, (b, h, n, d, layout) in SHAPES.items():
     shape = (b, h, n, d) if layout == "bhnd" else (b, n, h, d)
@@ -65,8 +66,9 @@ for name, (b, h, n, d, layout) in SHAPES.items():
                 t["states"].append(states_us(fwd))
                 t["fixed"].append(back_to_back_ms(lambda: step(g), reps=10))
                 t["train"].append(back_to_back_ms(lambda: step(gp), reps=10))
-    same = all(torch.equal(a, b_) for a, b_ in zip(outs[False], outs[True]))
+    same = max(((a.float() - b_.float()).abs().max() / b_.float().abs().max()).item()
+               for a, b_ in zip(outs[False], outs[True]))
     med = {tma: {key: statistics.median(vals) for key, vals in t.items()} for tma, t in times.items()}
     off, on = med[False], med[True]
     print(f"| {name} {shape} | {off['graph']:.4f} / {on['graph']:.4f} | {off['states']:.1f} / {on['states']:.1f} | "
-          f"{off['fixed']:.3f} / {on['fixed']:.3f} | {off['train']:.3f} / {on['train']:.3f} | {same} |", flush=True)
+          f"{off['fixed']:.3f} / {on['fixed']:.3f} | {off['train']:.3f} / {on['train']:.3f} | {same:.1e} |", flush=True)

@@ -77,15 +77,17 @@ struct rtk_chunk_decay {
 // chunk of len tokens: s = 16 kk + 2 t4 + {0, 1} (lo: registers 0, 1 of an A fragment) and s + 8
 // (hi: registers 2, 3). S takes gamma^(len-1-s); with DERIV, W = dS/dlog(gamma) also takes
 // (len-1-s) gamma^(len-1-s). Rows s >= len weigh 0 (the tile's rows past a short last chunk).
+// rev: the fragment's rows are a tile's rows backwards (row r holds key C-1-r of the chunk: a
+// reversed pass's tensor-copy boxes, read in the order the copy wrote them).
 template <int DT, bool DERIV>
 struct rtk_key_weights {
   rtk_u32 lo, hi, dlo, dhi;
 
-  __device__ __forceinline__ rtk_key_weights(float lg2, int len, int kk, int t4) {
+  __device__ __forceinline__ rtk_key_weights(float lg2, int len, int kk, int t4, bool rev = false) {
     float e[4], d[4];
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int s = kk * 16 + 2 * t4 + (i >> 1) * 8 + (i & 1);
+      const int r = kk * 16 + 2 * t4 + (i >> 1) * 8 + (i & 1), s = rev ? 63 - r : r;
       e[i] = s < len ? rtk_exp2(lg2 * (float)(len - 1 - s)) : 0.f;
       d[i] = (float)(len - 1 - s) * e[i];
     }

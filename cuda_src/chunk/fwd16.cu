@@ -51,12 +51,6 @@
 #include "loader.cuh"
 #include "modes.cuh"
 
-// wgmma descriptors of MN-major operands (v and the state copy, [k][n] with n contiguous): the
-// leading byte offset is the step between 64-column regions, the stride byte offset the step
-// between 8-row groups (checked on an H200; the swapped reading faults).
-#define RTK_MN_LBO(region) (region)
-#define RTK_MN_SBO(region) 1024
-
 // Shared-memory layout. SW = false: rows padded by 16 bytes (conflict-free ldmatrix). SW = true
 // (the wgmma kernel): 128-byte-swizzled regions of 64 columns (rtk_swz_off), 1024-byte aligned,
 // the layout wgmma descriptors read. The *_off functions give the element offset of 16-byte

@@ -19,10 +19,14 @@
 // (large warp tiles: fewer shared-memory fragment loads per mma). STAGES chunks of k and v in
 // flight (cp.async), one barrier per chunk.
 //
-// TMA (Hopper, aligned rows, whole chunks): one thread loads each chunk as tensor copies (64-row
-// boxes of 64 columns through the k and v tensor maps, 128-byte swizzle) completing on the stage's
+// TMA (Hopper, sm_90a, aligned rows): one thread loads each chunk as tensor copies (64-row boxes
+// of 64 columns through the k and v tensor maps, 128-byte swizzle) completing on the stage's
 // mbarrier, so the copies stay in flight while every warp computes, where cp.async would take the
-// computing threads' issue slots: the fragment loads then read the swizzled rows.
+// computing threads' issue slots. The two warpgroups then update S with wgmma: A the weighted k^T
+// fragments from registers, B v straight from its boxes (the layout wgmma reads), one group per
+// chunk. Why: with mma.sync the pass issued an instruction in about half the cycles with two warps
+// a scheduler and ran at a fifth of the tensor rate; one wgmma does 64 mma.sync's work. The
+// 64 x 64 blocks of S go to the warpgroups by rows (KMAX / 64 even) or by value columns.
 //
 // DLOG (the split dq pass of a trainable decay, rtk_chunk_fwd's DLOG): each segment also carries
 // W = dS/dlog(gamma), W = gamma^len (W + len S) + sum_s (len-1-s) gamma^(len-1-s) k_s^T v_s from
@@ -32,6 +36,7 @@
 #include "../include/mma_sm80.cuh"
 #include "../include/params.cuh"
 #include "../include/state_frag.cuh"
+#include "../include/wgmma_sm90.cuh"
 #include "cta.cuh"
 #include "decay.cuh"
 #include "epilogue.cuh"
@@ -63,9 +68,16 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
   const rtk_i64 seg_len = p.seg_len;  // p.mode: unused
   typedef rtk_chunk_states_smem<KMAX, BV, STAGES, TMA> L;
   constexpr int C = L::C, KS = L::KS, VS = L::VS;
-  constexpr int NT = BV / 16, MT = KMAX / 64;  // a warp's n-tiles (8 columns) and m-tiles (16 rows)
+  // a warp's m-tiles (16 rows, MSTEP apart) and n-tiles (8 columns). mma.sync: the 4 x 2 warp
+  // tiling. TMA (wgmma): warpgroup wg holds the 64-row blocks wg, wg + 2, .. whole (ROWS) or, with
+  // one block, value columns wg * BV / 2 .., its warp w rows 16 w of each block
+  constexpr bool ROWS = (KMAX / 64) % 2 == 0;
+  constexpr int MT = TMA ? (ROWS ? KMAX / 128 : 1) : KMAX / 64;
+  constexpr int NT = TMA ? (ROWS ? BV / 8 : BV / 16) : BV / 16;
+  constexpr int MSTEP = TMA ? 128 : 16;
   static_assert(BV % 32 == 0 && KMAX % 64 == 0 && STAGES >= 2, "bad tile");
-  static_assert(!TMA || (VEC && BV % 64 == 0), "tensor copies take aligned rows and 64-column boxes");
+  static_assert(!TMA || (VEC && BV % 64 == 0 && (ROWS || BV % 128 == 0)),
+                "tensor copies take aligned rows and 64-column boxes; the warpgroups need two blocks of S");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   unsigned char* smem_base = smem_raw;
   if constexpr (TMA) smem_base += (1024 - (rtk_smem_addr(smem_raw) & 1023)) & 1023;
@@ -74,7 +86,9 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
 
   RTK_CHUNK_CTA(rtk_u16, 4);
   (void)out_warp; (void)kt_used; (void)ovec_full; (void)seq_bad; (void)out_scale;  // never packed
-  const int sr0 = (warp & 3) * MT * 16, c0 = (warp >> 2) * (BV / 2);  // the warp's rows and columns
+  const int wg = warp >> 2;  // the warp's rows and columns
+  const int sr0 = TMA ? (ROWS ? wg * 64 : 0) + (warp & 3) * 16 : (warp & 3) * MT * 16;
+  const int c0 = TMA && ROWS ? 0 : wg * (BV / 2);
 
   typedef rtk_chunk_loader<rtk_u16, KMAX, BV, 256> LD;
   const LD ld(tid, Dk, dv_here, kb, kb, vb, k_sn, k_sn, v_sn);
@@ -114,23 +128,15 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
   // CTA z's tokens end with: for z = 0 from the initial state, else from zero; rtk_chunk_fwd in
   // RTK_MODE_FOLD combines them (rtk_chunk_state::fold)
   const rtk_i64 slot = (rtk_i64)gridDim.x * Dk * Dv;
-  const rtk_chunk_state<MT, NT> sf = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, state_slot + slot};
+  const rtk_chunk_state<MT, NT, MSTEP> sf = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, state_slot + slot};
   float s_acc[MT][NT][4], w_acc[DLOG ? MT : 1][NT][4];
   rtk_zero(reinterpret_cast<float (&)[MT * NT][4]>(s_acc));
   rtk_zero(reinterpret_cast<float (&)[(DLOG ? MT : 1) * NT][4]>(w_acc));
   if (blockIdx.z == 0) {
-    const rtk_chunk_state<MT, NT> s0 = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, 0};
+    const rtk_chunk_state<MT, NT, MSTEP> s0 = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, 0};
     s0.load(s_acc, init_state);
     s0.store(s_acc, final_state);
   }
-  // the shared address of row `row` (kernel order), column `col` (a multiple of 8) of a stage's
-  // tile with `stride` elements a row (cp.async) or in 64-column swizzled boxes (TMA)
-  auto tile_addr = [&](rtk_u32 tile, int row, int col, int stride) -> rtk_u32 {
-    if constexpr (TMA)
-      return tile + (col >> 6) * C * 128 + rtk_swizzle128(rev ? C - 1 - row : row, (col & 63) >> 3);
-    else
-      return tile + 2 * (row * stride + col);
-  };
   const int nchunks = (NS + C - 1) / C;
   if constexpr (TMA) {
     if (tid == 0) {
@@ -150,7 +156,8 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
   // the key weights of a whole chunk (every chunk of a slot: slots are whole chunks), computed once
   // instead of per chunk: the pass issues instructions about half the cycles with two warps per
   // scheduler, so per-chunk work that repeats is time
-  const rtk_key_weights<DT, DLOG> kw_whole[4] = {{lg2, C, 0, t4}, {lg2, C, 1, t4}, {lg2, C, 2, t4}, {lg2, C, 3, t4}};
+  const rtk_key_weights<DT, DLOG> kw_whole[4] = {{lg2, C, 0, t4, TMA && rev}, {lg2, C, 1, t4, TMA && rev},
+                                                 {lg2, C, 2, t4, TMA && rev}, {lg2, C, 3, t4, TMA && rev}};
   #pragma unroll 1
   for (int chunk = 0; chunk < nchunks; ++chunk) {
     if constexpr (TMA) {
@@ -170,40 +177,82 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
     const float carry = rtk_exp2(lg2 * (float)len);
     if constexpr (DLOG) rtk_frag_dlog_step(w_acc, s_acc, carry, len);  // before S moves on
     rtk_frag_scale(s_acc, carry);
-    #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      if (kk * 16 < len) {
-        const rtk_key_weights<DT, DLOG> kw = len == C ? kw_whole[kk] : rtk_key_weights<DT, DLOG>(lg2, len, kk, t4);
-        // every fragment of the k-step first, then the mma: the ldmatrix and mma asm statements
-        // are volatile (kept in order), so interleaving them would expose each load's latency
-        rtk_u32 a[MT][4], a2[MT][4], bb[NT / 2][4];  // a2: DLOG only
+    if constexpr (TMA) {
+      // every k-step's weighted k^T fragments (box rows in the order the copy wrote them: a
+      // reversed pass's weights run backwards), then S (+ W) += A V as one wgmma group
+      const unsigned long long dv = rtk_wg_desc(sV_addr, RTK_MN_LBO(C * 128), RTK_MN_SBO(C * 128));
+      rtk_u32 a[4][MT][4], a2[4][DLOG ? MT : 1][4];  // a2: DLOG only
+      #pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        const rtk_key_weights<DT, DLOG> kw =
+            len == C ? kw_whole[kk] : rtk_key_weights<DT, DLOG>(lg2, len, kk, t4, rev);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const int col = sr0 + mt * MSTEP + ((lane >> 3) & 1) * 8;
+          rtk_ldsm_x4_trans(a[kk][mt], sK_addr + (col >> 6) * C * 128 +
+                                           rtk_swizzle128(kk * 16 + (lane & 7) + (lane >> 4) * 8, (col & 63) >> 3));
+          kw.apply(a[kk][mt], a2[kk][DLOG ? mt : 0]);
+        }
+      }
+      rtk_wg_fence();
+      // every k-step, with no branch between the wgmmas (one would make ptxas fence each): slots
+      // are whole chunks (plan.split, fold_parts), so each k-step holds keys of the slot
+      #pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
-          rtk_ldsm_x4_trans(a[mt], tile_addr(sK_addr, kk * 16 + (lane & 7) + (lane >> 4) * 8,
-                                             sr0 + mt * 16 + ((lane >> 3) & 1) * 8, KS));
-        #pragma unroll
-        for (int np = 0; np < NT / 2; ++np)
-          rtk_ldsm_x4_trans(bb[np], tile_addr(sV_addr, kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                              c0 + np * 16 + (lane >> 4) * 8, VS));
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) kw.apply(a[mt], a2[mt]);
-        #pragma unroll
-        for (int np = 0; np < NT / 2; ++np)
           #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            rtk_mma16816<DT>(s_acc[mt][2 * np], a[mt], bb[np][0], bb[np][1]);
-            rtk_mma16816<DT>(s_acc[mt][2 * np + 1], a[mt], bb[np][2], bb[np][3]);
-            if constexpr (DLOG) {
-              rtk_mma16816<DT>(w_acc[mt][2 * np], a2[mt], bb[np][0], bb[np][1]);
-              rtk_mma16816<DT>(w_acc[mt][2 * np + 1], a2[mt], bb[np][2], bb[np][3]);
-            }
+          for (int nb = 0; nb < NT / 8; ++nb) {
+            const unsigned long long db = rtk_desc_at(dv, ((c0 / 64 + nb) * (C * 128) + kk * 2048) >> 4);
+            rtk_wgmma_rs<DT, 1>(reinterpret_cast<float (&)[32]>(s_acc[mt][8 * nb]), a[kk][mt], db, 1);
+            if constexpr (DLOG)
+              rtk_wgmma_rs<DT, 1>(reinterpret_cast<float (&)[32]>(w_acc[mt][8 * nb]), a2[kk][mt], db, 1);
           }
+      rtk_wg_commit();
+      rtk_wg_wait<0>();  // before the next chunk's barrier hands this stage to the copies
+      #pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        #pragma unroll
+        for (int nb = 0; nb < NT / 8; ++nb) {
+          rtk_wg_pin(reinterpret_cast<float (&)[32]>(s_acc[mt][8 * nb]));
+          if constexpr (DLOG) rtk_wg_pin(reinterpret_cast<float (&)[32]>(w_acc[mt][8 * nb]));
+        }
+    } else {
+      #pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        if (kk * 16 < len) {
+          const rtk_key_weights<DT, DLOG> kw = len == C ? kw_whole[kk] : rtk_key_weights<DT, DLOG>(lg2, len, kk, t4);
+          // every fragment of the k-step first, then the mma: the ldmatrix and mma asm statements
+          // are volatile (kept in order), so interleaving them would expose each load's latency
+          rtk_u32 a[MT][4], a2[MT][4], bb[NT / 2][4];  // a2: DLOG only
+          #pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+            rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * ((kk * 16 + (lane & 7) + (lane >> 4) * 8) * KS + sr0 + mt * 16 +
+                                                    ((lane >> 3) & 1) * 8));
+          #pragma unroll
+          for (int np = 0; np < NT / 2; ++np)
+            rtk_ldsm_x4_trans(bb[np], sV_addr + 2 * ((kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * VS + c0 +
+                                                     np * 16 + (lane >> 4) * 8));
+          #pragma unroll
+          for (int mt = 0; mt < MT; ++mt) kw.apply(a[mt], a2[mt]);
+          #pragma unroll
+          for (int np = 0; np < NT / 2; ++np)
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              rtk_mma16816<DT>(s_acc[mt][2 * np], a[mt], bb[np][0], bb[np][1]);
+              rtk_mma16816<DT>(s_acc[mt][2 * np + 1], a[mt], bb[np][2], bb[np][3]);
+              if constexpr (DLOG) {
+                rtk_mma16816<DT>(w_acc[mt][2 * np], a2[mt], bb[np][0], bb[np][1]);
+                rtk_mma16816<DT>(w_acc[mt][2 * np + 1], a2[mt], bb[np][2], bb[np][3]);
+              }
+            }
+        }
       }
     }
   }
   sf.store(s_acc, final_state);
   if constexpr (DLOG) {  // W slot z + 1, after the gridDim.z + 1 S slots
-    rtk_chunk_state<MT, NT> wf = sf;
+    auto wf = sf;
     wf.state_slot += (rtk_i64)(gridDim.z + 1) * slot;
     wf.store(w_acc, final_state);
   }

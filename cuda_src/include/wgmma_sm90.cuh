@@ -22,6 +22,12 @@ __device__ __forceinline__ unsigned long long rtk_wg_desc(rtk_u32 saddr, rtk_u32
          ((unsigned long long)((sbo >> 4) & 0x3FFF) << 32) | (1ull << 62);
 }
 
+// wgmma descriptors of MN-major operands (e.g. v, [k][n] with n contiguous): the
+// leading byte offset is the step between 64-column regions, the stride byte offset the step
+// between 8-row groups (checked on an H200; the swapped reading faults).
+#define RTK_MN_LBO(region) (region)
+#define RTK_MN_SBO(region) 1024
+
 // base + off, formed right where it is used (volatile: the compiler neither hoists nor keeps a
 // table of descriptors alive in registers).
 __device__ __forceinline__ unsigned long long rtk_desc_at(unsigned long long base, rtk_u32 off16) {

@@ -17,7 +17,8 @@ from ...jit.tensor_map import TensorMaps
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
 from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE, STATES_SOURCE, Launch, _sm_count,
                    _smem_limit, aligned, current_overrides, dlog_launch, fold_parts, key_pieces, packed_launch,
-                   plan_launch, split, states_config, states_name, states_smem_bytes, states_tma, tuned_launch)
+                   plan_launch, split, states_config, states_name, states_options, states_smem_bytes, states_tma,
+                   tuned_launch)
 
 __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "pass_launcher",
            "launch_pass", "transposed_slots", "call_pieces"]
@@ -143,7 +144,7 @@ class ChunkLaunch:
         self.fold = None
         fold_len = seg_len
         if fold:  # the states pass over slots of fold_len tokens, parts of the segments but the last
-            maps = _kv_maps(k, v, self.offsets) if states_tma(dev, dk, vec, over) else _NO_MAPS
+            maps = _kv_maps(k, v, self.offsets) if states_tma(dev, dk, vec, over, dlog) else _NO_MAPS
             tma = maps is not _NO_MAPS
             sc = states_config(q.dtype, dk, dv, vec, _smem_limit(dev), dlog, tma)
             ssmem = states_smem_bytes(sc[1], sc[2], sc[4], tma)
@@ -151,7 +152,8 @@ class ChunkLaunch:
             parts = fold_parts(seg_len, nseg, tiles, _sm_count(dev))
             fold_len = seg_len // parts
             self.slots = ((nseg - 1) * parts + 1) * (2 if dlog else 1)
-            sfn = get_function(STATES_SOURCE, states_name(sc), dev, dynamic_smem=ssmem)
+            sfn = get_function(STATES_SOURCE, states_name(sc), dev, extra_options=states_options(sc),
+                               dynamic_smem=ssmem)
             self.states = sfn.bind((bh, -(-dv // sc[2]), (nseg - 1) * parts), block, ssmem, dev, FWD_POINTERS,
                                    (*tail, fold_len, 0, fold_len, *NO_EXTRAS), maps)
             if not dlog:

@@ -94,8 +94,10 @@ def states_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, smem_limit: i
     docs/performance.md, session 13). ``dlog``: the instance that also carries W = dS/dlog(gamma)
     for the split dq pass of a trainable decay (BV 64, as that pass's tiles: S and W in registers),
     with a sixth argument, DLOG = true; its stages were not measured again. ``tma`` (aligned rows
-    on compute capability 9.0; :func:`states_tma`): tiles loaded by tensor copies, the seventh
-    argument TMA = true (DLOG then given as the sixth)."""
+    on compute capability 9.0; :func:`states_tma`): tiles loaded by tensor copies and the state
+    updated by wgmma (sm_90a code, :data:`WGMMA_OPTIONS`), the seventh argument TMA = true (DLOG
+    then given as the sixth); with them too, 4, 5 and 6 stages were slower than 3 (long: 84, 96,
+    101, 113 us) and 2 about as fast."""
     kmax = _kmax(dk)
     bv = 64 if dlog or kmax > 128 else 128
     most = 4 if dlog else 3
@@ -104,14 +106,16 @@ def states_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, smem_limit: i
     return (dtype_code(dtype), kmax, bv, vec, stages) + tail
 
 
-def states_tma(dev: int, dk: int, vec: bool, over: "Overrides") -> bool:
-    """Whether the states pass loads its tiles by tensor copies: on compute capability 9.0, every
-    operand row 16-byte aligned (their strides then suit a tensor map), Dk > 64, unless
-    ``Overrides.tensor_copies`` is False. The launch still falls back when the driver refuses a
-    map. Measured on an H100 (docs/performance.md, session 15): the pass 4-7 % faster at Dk = 128
-    and 256 with 32k and 128k tokens, even at (1, 32, 16384, 128); 8 % slower at Dk = 64 whatever
-    the stage count, which keeps cp.async."""
-    return vec and over.tensor_copies and _kmax(dk) >= 128 and _capability(dev) == (9, 0)
+def states_tma(dev: int, dk: int, vec: bool, over: "Overrides", dlog: bool = False) -> bool:
+    """Whether the states pass takes its Hopper instance (tiles by tensor copies, the state update
+    on wgmma): on compute capability 9.0 where wgmma may run (:func:`_wgmma_ok`), every operand
+    row 16-byte aligned (their strides then suit a tensor map), unless ``Overrides.tensor_copies``
+    is False; not for ``dlog`` at Dk <= 64 (its one 64 x 64 block of S leaves the second
+    warpgroup nothing). The launch still falls back when the driver refuses a map. Measured on an
+    H100 (docs/performance.md, session 16), the pass's own time against cp.async and mma.sync:
+    (1, 32, 16384, 128) 99.6 -> 84.2 us, (2, 8, 65536, 64) 104 -> 89, (1, 8, 16384, 256) 113 -> 95."""
+    return (vec and over.tensor_copies and not (dlog and _kmax(dk) <= 64) and _capability(dev) == (9, 0)
+            and _wgmma_ok(dev, over))
 
 
 def fold_parts(seg_len: int, segments: int, tiles: int, sms: int) -> int:
@@ -132,6 +136,11 @@ def fold_parts(seg_len: int, segments: int, tiles: int, sms: int) -> int:
     return max((r for r in range(1, most + 1) if chunks % r == 0), default=1)
 
 
+def states_options(config: tuple) -> tuple[str, ...]:
+    """Compiler options of a ``rtk_chunk_states`` instance: the TMA ones run wgmma (sm_90a)."""
+    return WGMMA_OPTIONS if len(config) > 6 and config[6] else ()
+
+
 def states_name(config: tuple) -> str:
     return "rtk_chunk_states<" + ", ".join(str(c).lower() for c in config) + ">"
 
@@ -140,7 +149,7 @@ def _states_configs() -> set[tuple]:
     plain = {states_config(dt, dk, 128, vec, limit) for dt in (torch.float16, torch.bfloat16)
              for dk in (64, 128, 256) for vec in (False, True) for limit in (SMEM_LIMIT_SM90, *SMEM_LIMITS_OTHER)}
     tma = {states_config(dt, dk, 128, True, SMEM_LIMIT_SM90, dlog, tma=True) for dt in (torch.float16, torch.bfloat16)
-           for dk in (128, 256) for dlog in (False, True) if not dlog or (dt == torch.bfloat16 and dk == 128)}
+           for dk in (64, 128, 256) for dlog in (False, True) if not dlog or (dt == torch.bfloat16 and dk == 128)}
     dlog = {states_config(torch.bfloat16, dk, 64, True, SMEM_LIMIT_SM90, dlog=True) for dk in (64, 128)}
     return plain | dlog | tma
 
@@ -624,9 +633,10 @@ def tuned_launch(config: Config, problem: Problem, limits: Limits, *, vec: bool 
 
 
 def instance_options() -> dict[str, tuple[str, ...]]:
-    """The compiler options of the forward instances that need any (the wgmma ones: sm_90a
-    code), by name expression, as :class:`Launch` asks for them."""
-    return {name_expression(c): _launch_of(c, 1).options for c in all_configs() if _launch_of(c, 1).options}
+    """The compiler options of the forward and states instances that need any (the wgmma ones:
+    sm_90a code), by name expression, as their launches ask for them."""
+    fwd = {name_expression(c): _launch_of(c, 1).options for c in all_configs() if _launch_of(c, 1).options}
+    return {**fwd, **{states_name(c): states_options(c) for c in _states_configs() if states_options(c)}}
 
 
 def instances() -> dict[str, list[str]]:

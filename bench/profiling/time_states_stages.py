@@ -1,0 +1,71 @@
+"""Scratch: the chunk stages of the states pass's Hopper instance (``rtk_chunk_states`` by tensor
+copies and wgmma): the kernel's own time (torch.profiler) and the forward replayed from a CUDA
+graph, with ``states_config``'s stage count replaced for the TMA instances (a template argument:
+each count is its own instance), counts alternating over three rounds; outputs against the
+default count's.
+
+    python bench/profiling/time_states_stages.py [counts ...]
+"""
+import math
+import statistics
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import rtkernels
+from rtkernels import call_cache
+from rtkernels.cli.bench.timing import graph_replay_ms
+from rtkernels.methods.chunk import backward, launch
+from rtkernels.methods.chunk.plan import states_smem_bytes
+
+SHAPES = {"long": (1, 32, 16384, 128), "h8-128k": (1, 8, 131072, 128), "d64-h8-64k": (2, 8, 65536, 64),
+          "d256-h8-16k": (1, 8, 16384, 256)}
+COUNTS = [int(c) for c in sys.argv[1:]] or [3, 4, 5, 6]
+real = launch.states_config
+count = None
+
+
+def patched(*args, **kwargs):
+    config = real(*args, **kwargs)
+    tma = len(config) > 6 and config[6]
+    fits = count is not None and states_smem_bytes(config[1], config[2], count, True) <= 227 * 1024
+    return config[:4] + (count,) + config[5:] if tma and fits else config  # else the default count
+
+
+launch.states_config = patched
+
+
+def states_us(fn) -> float:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum((e.time_range.end - e.time_range.start) for e in prof.events()
+               if e.device_type.name == "CUDA" and "rtk_chunk_states" in e.name)
+
+
+print(torch.cuda.get_device_name())
+print("| shape | " + " | ".join(f"{c} stages: states µs, fwd graph ms" for c in COUNTS) + " | max rel diff |")
+print("|---|" + "---|" * len(COUNTS) + "---|")
+for name, (b, h, n, d) in SHAPES.items():
+    g = (1 - torch.exp(torch.linspace(math.log(1 / 32), math.log(1 / 512), h))).cuda()
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) / d ** 0.25 for _ in range(3))
+
+    def fwd():
+        return rtkernels.causal_linear_attention(q, k, v, g, method="chunk")
+
+    times, outs = defaultdict(lambda: defaultdict(list)), {}
+    for rnd in range(3):
+        for c in COUNTS:
+            count = c
+            call_cache.clear()
+            backward.clear_plans()
+            if rnd == 0:
+                outs[c] = fwd()
+            times[c]["states"].append(states_us(fwd))
+            times[c]["graph"].append(graph_replay_ms(fwd, reps=20))
+    base = outs[COUNTS[0]].float()
+    diff = max(((o.float() - base).abs().max() / base.abs().max()).item() for o in outs.values())
+    cells = [f"{statistics.median(times[c]['states']):.1f}, {statistics.median(times[c]['graph']):.4f}" for c in COUNTS]
+    print(f"| {name} {(b, h, n, d)} | " + " | ".join(cells) + f" | {diff:.1e} |", flush=True)
