@@ -178,19 +178,22 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
     if constexpr (DLOG) rtk_frag_dlog_step(w_acc, s_acc, carry, len);  // before S moves on
     rtk_frag_scale(s_acc, carry);
     if constexpr (TMA) {
-      // every k-step's weighted k^T fragments (box rows in the order the copy wrote them: a
-      // reversed pass's weights run backwards), then S (+ W) += A V as one wgmma group
+      // every k-step's weighted k^T fragments, then S (+ W) += A V as one wgmma group. A k-step's
+      // rows in a box run in the order the copy wrote them (a reversed pass: backwards, and its
+      // weights with them), and k-step kk of the chunk is box rows 16 j .., j = 3 - kk reversed:
+      // the k-steps are summed in the chunk's order either way (the bits of the pass on flipped copies)
       const unsigned long long dv = rtk_wg_desc(sV_addr, RTK_MN_LBO(C * 128), RTK_MN_SBO(C * 128));
       rtk_u32 a[4][MT][4], a2[4][DLOG ? MT : 1][4];  // a2: DLOG only
       #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
-        const rtk_key_weights<DT, DLOG> kw =
-            len == C ? kw_whole[kk] : rtk_key_weights<DT, DLOG>(lg2, len, kk, t4, rev);
+        const int j = rev ? 3 - kk : kk;
+        const rtk_key_weights<DT, DLOG> kw = len != C ? rtk_key_weights<DT, DLOG>(lg2, len, j, t4, rev)
+                                             : rev ? kw_whole[3 - kk] : kw_whole[kk];  // no indexed local array
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           const int col = sr0 + mt * MSTEP + ((lane >> 3) & 1) * 8;
           rtk_ldsm_x4_trans(a[kk][mt], sK_addr + (col >> 6) * C * 128 +
-                                           rtk_swizzle128(kk * 16 + (lane & 7) + (lane >> 4) * 8, (col & 63) >> 3));
+                                           rtk_swizzle128(j * 16 + (lane & 7) + (lane >> 4) * 8, (col & 63) >> 3));
           kw.apply(a[kk][mt], a2[kk][DLOG ? mt : 0]);
         }
       }
@@ -203,7 +206,8 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
         for (int mt = 0; mt < MT; ++mt)
           #pragma unroll
           for (int nb = 0; nb < NT / 8; ++nb) {
-            const unsigned long long db = rtk_desc_at(dv, ((c0 / 64 + nb) * (C * 128) + kk * 2048) >> 4);
+            const rtk_u32 off = (c0 / 64 + nb) * (C * 128) + (rev ? 3 - kk : kk) * 2048;
+            const unsigned long long db = rtk_desc_at(dv, off >> 4);
             rtk_wgmma_rs<DT, 1>(reinterpret_cast<float (&)[32]>(s_acc[mt][8 * nb]), a[kk][mt], db, 1);
             if constexpr (DLOG)
               rtk_wgmma_rs<DT, 1>(reinterpret_cast<float (&)[32]>(w_acc[mt][8 * nb]), a2[kk][mt], db, 1);
