@@ -57,11 +57,13 @@ def test_dlog_and_mma_instances_keep_two_stages():
 
 def test_states_pass_stages():
     """The split strategy's states pass: three stages where they fit (four measured slower), two
-    where they do not; the DLOG instance keeps four."""
+    where they do not; the DLOG instance keeps four by cp.async, three by tensor copies."""
     assert plan.states_config(torch.bfloat16, 128, 128, True, plan.SMEM_LIMIT_SM90)[4] == 3
     assert plan.states_config(torch.float16, 256, 256, True, plan.SMEM_LIMIT_SM90)[4] == 3
     assert plan.states_config(torch.bfloat16, 256, 256, True, 99 * 1024)[4] == 2
     assert plan.states_config(torch.bfloat16, 128, 128, True, plan.SMEM_LIMIT_SM90, dlog=True)[4:] == (4, True)
+    assert plan.states_config(torch.bfloat16, 128, 128, True, plan.SMEM_LIMIT_SM90, dlog=True, tma=True)[4:] == (
+        3, True, True)
 
 
 def test_forward_slots_serve_a_dq_pass_that_splits_alike():

@@ -4,7 +4,9 @@ backward, each kernel launch, backward() returning), the median over 30 steps, t
 L2 flushed before each step as the bench times it. Shows where the host time between the forward's
 launch and the backward's first launch goes.
 
-    python bench/profiling/host_timeline.py [small|mid|long] [--trainable]
+    python bench/profiling/host_timeline.py [small|mid|long] [--trainable] [--detail] [--cprofile]
+
+``--detail``: also the chunk backward's steps (its plan key, the passes, each pass's launch).
 """
 import statistics
 import sys
@@ -60,6 +62,13 @@ def timed_kernel(self, grid, *a, **kw):
 
 jit.BoundLaunch.__call__, jit.Kernel.launch = timed_bound, timed_kernel
 wrap(autograd, "call_gradients", "call_gradients")
+if "--detail" in sys.argv:  # the chunk backward's own steps
+    from rtkernels.methods.chunk import backward, decay_grad, launch
+    wrap(backward, "_plan_key", "plan key")
+    wrap(backward, "gradient_passes", "gradient_passes")
+    wrap(launch, "launch_pass", "launch_pass")
+    wrap(decay_grad.PartialSums, "buffer", "partial sums buffer")
+    wrap(decay_grad.PartialSums, "total", "partial sums total")
 impls = autograd.BACKWARD_IMPLS
 impls[0] = (impls[0][0], (lambda f: (lambda *a, **kw: (mark("backward impl in"), f(*a, **kw), mark("backward impl out"))[1]))(impls[0][1]))
 

@@ -88,19 +88,20 @@ def states_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, smem_limit: i
     """Template arguments (DT, KMAX, BV, VEC, STAGES) of ``rtk_chunk_states``, the states-only
     pass of the split-sequence strategy for 16-bit inputs: BV 128 where KMAX <= 128 (k read once
     for up to 128 value columns: the pass is bandwidth-bound), else 64 (registers); 3 chunk stages
-    (4 for ``dlog``) where they fit ``smem_limit`` bytes, else 2 (few instances to compile). Why 3:
+    (4 for ``dlog`` by cp.async) where they fit ``smem_limit`` bytes, else 2 (few instances to compile). Why 3:
     more loads in flight made the pass slower, not faster (H100, (1, 32, 16384, 128) bf16: 6, 5, 4,
     3 stages 115, 111, 100, 93-97 us; three stages beat four by 1.5-3 % on four split shapes;
     docs/performance.md, session 13). ``dlog``: the instance that also carries W = dS/dlog(gamma)
     for the split dq pass of a trainable decay (BV 64, as that pass's tiles: S and W in registers),
-    with a sixth argument, DLOG = true; its stages were not measured again. ``tma`` (aligned rows
+    with a sixth argument, DLOG = true; four stages by cp.async (not measured again), three by tensor
+    copies (a trainable long step's states kernels 242 -> 232 us on an H100). ``tma`` (aligned rows
     on compute capability 9.0; :func:`states_tma`): tiles loaded by tensor copies and the state
     updated by wgmma (sm_90a code, :data:`WGMMA_OPTIONS`), the seventh argument TMA = true (DLOG
     then given as the sixth); with them too, 4, 5 and 6 stages were slower than 3 (long: 84, 96,
     101, 113 us) and 2 about as fast."""
     kmax = _kmax(dk)
     bv = 64 if dlog or kmax > 128 else 128
-    most = 4 if dlog else 3
+    most = 4 if dlog and not tma else 3
     stages = most if states_smem_bytes(kmax, bv, most, tma) <= smem_limit else 2
     tail = (dlog, True) if tma else (True,) if dlog else ()
     return (dtype_code(dtype), kmax, bv, vec, stages) + tail
