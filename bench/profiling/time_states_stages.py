@@ -13,11 +13,10 @@ import sys
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import rtkernels
 from rtkernels import call_cache
-from rtkernels.cli.bench.timing import back_to_back_ms, graph_replay_ms
+from rtkernels.cli.bench.timing import back_to_back_ms, graph_replay_ms, kernel_us
 from rtkernels.methods.chunk import backward, launch
 from rtkernels.methods.chunk.plan import states_smem_bytes
 
@@ -37,14 +36,6 @@ def patched(*args, **kwargs):
 
 
 launch.states_config = patched
-
-
-def states_us(fn) -> float:
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum((e.time_range.end - e.time_range.start) for e in prof.events()
-               if e.device_type.name == "CUDA" and "rtk_chunk_states" in e.name)
 
 
 print(torch.cuda.get_device_name())
@@ -76,7 +67,7 @@ for name, (b, h, n, d) in SHAPES.items():
             backward.clear_plans()
             if rnd == 0:
                 outs[c] = step().clone() if TRAIN else fwd()
-            times[c]["states"].append(states_us(step if TRAIN else fwd))
+            times[c]["states"].append(kernel_us(step if TRAIN else fwd, "rtk_chunk_states"))
             times[c]["graph"].append(back_to_back_ms(step, reps=10) if TRAIN else graph_replay_ms(fwd, reps=20))
     base = outs[COUNTS[0]].float()
     diff = max(((o.float() - base).abs().max() / base.abs().max()).item() for o in outs.values())

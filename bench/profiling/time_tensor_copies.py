@@ -12,24 +12,15 @@ import statistics
 from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import rtkernels
 from rtkernels import call_cache
-from rtkernels.cli.bench.timing import back_to_back_ms, graph_replay_ms
+from rtkernels.cli.bench.timing import back_to_back_ms, graph_replay_ms, kernel_us
 from rtkernels.methods.chunk import backward, override
 
 SHAPES = {"long": (1, 32, 16384, 128, "bhnd"), "long-bnhd": (1, 32, 16384, 128, "bnhd"),
           "h16-32k": (1, 16, 32768, 128, "bhnd"), "h8-128k": (1, 8, 131072, 128, "bhnd"),
           "d64-h8-64k": (2, 8, 65536, 64, "bhnd"), "d256-h8-16k": (1, 8, 16384, 256, "bhnd")}
-
-
-def states_us(fn) -> float:
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum((e.time_range.end - e.time_range.start) for e in prof.events()
-               if e.device_type.name == "CUDA" and "rtk_chunk_states" in e.name)
 
 
 print(torch.cuda.get_device_name())
@@ -63,7 +54,7 @@ for name, (b, h, n, d, layout) in SHAPES.items():
                     outs[tma] = [fwd()] + [x.grad.clone() for x in (*leaves, gp)]
                 t = times[tma]
                 t["graph"].append(graph_replay_ms(fwd, reps=20))
-                t["states"].append(states_us(fwd))
+                t["states"].append(kernel_us(fwd, "rtk_chunk_states"))
                 t["fixed"].append(back_to_back_ms(lambda: step(g), reps=10))
                 t["train"].append(back_to_back_ms(lambda: step(gp), reps=10))
     same = max(((a.float() - b_.float()).abs().max() / b_.float().abs().max()).item()

@@ -1,4 +1,5 @@
-"""Timing: CUDA events (``time.perf_counter`` on the CPU), L2 flush, peak memory, host overhead, limits."""
+"""Timing: CUDA events (``time.perf_counter`` on the CPU), graph replay, one kernel's time by the profiler,
+L2 flush, peak memory, host overhead, limits."""
 
 from __future__ import annotations
 
@@ -127,6 +128,18 @@ def graph_replay_ms(fn: Fn, reps: int, calls: int = 10) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) / calls)
     return statistics.median(times)
+
+
+def kernel_us(fn: Fn, contains: str) -> float:
+    """GPU time in µs of the kernels of one ``fn()`` call whose name contains ``contains``, by
+    torch.profiler (one kernel's own time inside a call of several, e.g. the states pass's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum((e.time_range.end - e.time_range.start) for e in prof.events()
+               if e.device_type.name == "CUDA" and contains in e.name)
 
 
 def run_with_peak(fn: Fn, device: torch.device) -> tuple[Any, Optional[int]]:
