@@ -80,3 +80,29 @@ def test_forward_slots_serve_a_dq_pass_that_splits_alike():
     for other in [(3, 128, 5, (1, 2, 6, 4)), (2, 256, 3, (1, 2, 6, 4)), (3, 256, 3, (1, 2, 4, 6)), None]:
         assert launch.transposed_slots(SimpleNamespace(fold=other), slots, fold) is None
     assert launch.transposed_slots(object(), slots, fold) is None  # a launch without slots (key pieces)
+
+
+def test_states_pass_hopper_instance_choice_and_options(monkeypatch):
+    """plan.states_tma: the Hopper instance (tensor copies, wgmma) on compute capability 9.0 with
+    aligned rows, also at Dk 64, but not for the DLOG instance at Dk <= 64 (one block of S), not
+    where wgmma is turned off or tensor copies are; its instances carry the sm_90a option, which
+    `rtkernels compile` takes from plan.instance_options (wgmma needs it)."""
+    monkeypatch.setattr(plan, "_capability", lambda dev: (9, 0))
+    monkeypatch.delenv("RTKERNELS_NO_WGMMA", raising=False)
+    over = plan.Overrides()
+    assert all(plan.states_tma(0, dk, True, over) for dk in (40, 64, 128, 256))
+    assert plan.states_tma(0, 128, True, over, dlog=True) and not plan.states_tma(0, 64, True, over, dlog=True)
+    assert not plan.states_tma(0, 128, False, over)
+    assert not plan.states_tma(0, 128, True, plan.Overrides(tensor_copies=False))
+    assert not plan.states_tma(0, 128, True, plan.Overrides(wgmma=False))
+    monkeypatch.setenv("RTKERNELS_NO_WGMMA", "1")
+    assert not plan.states_tma(0, 128, True, over)
+    monkeypatch.setattr(plan, "_capability", lambda dev: (8, 0))
+    monkeypatch.delenv("RTKERNELS_NO_WGMMA")
+    assert not plan.states_tma(0, 128, True, plan.Overrides(wgmma=None))
+    options = plan.instance_options()
+    for config in plan._states_configs():
+        tma = len(config) > 6 and config[6]
+        assert plan.states_options(config) == (plan.WGMMA_OPTIONS if tma else ())
+        assert options.get(plan.states_name(config), ()) == plan.states_options(config)
+    assert any(len(c) > 6 and c[6] and c[1] == 64 for c in plan._states_configs()), "no Dk-64 Hopper instance"
