@@ -177,7 +177,8 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
         run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, dlog=(q, dlog_partials, dlog_g), **extra)
     kept: list = []
     run(v, grad_out, q, log_decay, scale, dk, None, False, True, keep=kept)
-    back = run(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, **({"states": kept[0]} if kept else {}))
+    dk_states = {"states": kept[0]} if kept else {}
+    back = run(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, **dk_states)
     # log(gamma) in torch only where the state terms need it (a device decay costs several ops)
     lg = log_decay.tensor(cdt) if need_state_grad or grad_state is not None else None
     d_s0 = back.to(cdt) * (scale * torch.exp(lg)).view(-1, 1, 1) if need_state_grad else None

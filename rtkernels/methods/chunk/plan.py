@@ -332,7 +332,8 @@ class Overrides:
     or the Dk-256 mma.sync kernel in one pass (False); None: the tuned config, else pieces where
     wgmma runs. ``stages``: chunk stages of q/k/v tiles of the wgmma kernel (2 or 3; 3 only where
     every operand row is 16-byte aligned); None: :func:`default_stages`. ``tensor_copies``: the
-    states pass loads by tensor copies where it can (:func:`states_tma`), or always by cp.async."""
+    states pass takes its Hopper instance (tensor copies and wgmma) where it can
+    (:func:`states_tma`), or always cp.async and mma.sync."""
 
     segments: Optional[int] = None
     wgmma: Optional[bool] = None
