@@ -289,6 +289,24 @@ def _drive_backward() -> Optional[str]:
     return None
 
 
+def _drive_dk_dv() -> Optional[str]:
+    """The backward's dk and dv passes as one walk (the DUAL instance of chunk/fwd16.cu: 16-bit,
+    aligned rows, Dv <= 128, wgmma): both dtypes, KMAX over and under BV, zero columns, a partial
+    chunk, one token, and 3 segments folding the states pass's slots."""
+    from rtkernels.methods import chunk
+
+    if not chunk.plan._wgmma_ok(0, chunk.current_overrides()):
+        return "needs the wgmma kernel (compute capability 9.0)"
+    torch = _torch()
+    for segments in (None, 3):
+        with chunk.override(segments=segments, fused_dk_dv=True):
+            for dt in (torch.float16, torch.bfloat16):
+                _train(*_qkv(1, 2, 400, 40, 104, dt), f"dk+dv {dt} segments={segments}")
+                _train(*_qkv(1, 2, 300, 128, 64, dt, seed=1), f"dk+dv KMAX over BV {dt}", state=False)
+                _train(*_qkv(2, 2, 1, 64, 128, dt, seed=2), f"dk+dv one token {dt}", state=False)
+    return None
+
+
 def _drive_decay_grad() -> Optional[str]:
     torch = _torch()
     for dt in (torch.float16, torch.bfloat16):
@@ -481,6 +499,8 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
     "f32-exact": (lambda: _drive_f32("exact"), "chunk/fwd_f32.cu 3xTF32, one pass and split (+ seg_scan)"),
     "f32-tf32": (lambda: _drive_f32("tf32"), "chunk/fwd_f32.cu TF32, one pass and split (+ seg_scan)"),
     "backward": (_drive_backward, "kernel backward: forward and reversed passes, 16-bit and fp32, split"),
+    "dk-dv": (_drive_dk_dv, "chunk/fwd16.cu DUAL (the backward's dk and dv passes as one walk; one segment and "
+                            "three, with chunk/states.cu)"),
     "decay-grad": (_drive_decay_grad, "chunk/decay_grad.cu (BV 32 and 64, KMAX 256) + chunk/decay_grad_sum.cu"),
     "dq-dlog": (_drive_dq_dlog, "chunk/fwd16.cu DLOG (dlog(gamma) in the backward's dq pass, bf16 wgmma; one "
                                 "segment, three, two of two slots, with chunk/states.cu DLOG) + chunk/decay_grad_sum.cu"),

@@ -26,6 +26,14 @@
 // it zeroed and the outputs the causal sum reaches (rows t >= s, same column) are set to NaN.
 // The state update uses v as it is, so later chunks see the NaN through S.
 //
+// DUAL (the backward's dk and dv passes fused: q = k of the forward, k = its q, v = dL/do, x = its v,
+// read with v's strides; wgmma, one value tile holding all of Dv): after the chunk's rows of o (dv)
+// the output warps compute a second output o2 (dk, KMAX wide, written with k's strides) from the same
+// tiles and state copy, the operator with queries x, keys v and values k, whose state is S^T:
+//   o2_t = scale * ( gamma^(t+1) x_t S^T  +  sum_{s<=t} gamma^(t-s) (x_t . v_s) k_s )
+// so one walk reads q, k, v and dL/do once for both gradients. A chunk whose k holds Inf/NaN takes
+// the cleaned P k product, as v's does for o.
+//
 // DLOG (the backward's dq pass of a trainable decay: q = dL/do, k = v, v = k of the forward, x = its
 // q, read with v's strides; wgmma, bf16, BV 64): the pass also sums its share of dL/dlog(gamma),
 //   scale * sum_t x_t . ( (t+1) gamma^(t+1) q_t S + gamma^(t+1) q_t W )
@@ -55,31 +63,93 @@
 // (the wgmma kernel): 128-byte-swizzled regions of 64 columns (rtk_swz_off), 1024-byte aligned,
 // the layout wgmma descriptors read. The *_off functions give the element offset of 16-byte
 // piece p of row r; KS and VS are the element step from one row to the next in the same piece.
-template <int KMAX, int BV, bool SW, bool DLOG = false, int STAGES = 2>  // STAGES: of q/k/v tiles
+template <int KMAX, int BV, bool SW, bool DLOG = false, int STAGES = 2, bool DUAL = false>  // STAGES: of q/k/v tiles
 struct rtk_chunk_smem {
   static constexpr int C = 64;
   static constexpr int KS = SW ? 64 : KMAX + 8;
   static constexpr int VS = SW ? 64 : BV + 8;
   static constexpr int Q = 0, K = Q + C * (SW ? KMAX : KS), V = K + C * (SW ? KMAX : KS);
-  static constexpr int X = V + C * (SW ? BV : VS);  // DLOG: the chunk's rows of x, laid out as v
-  static constexpr int STAGE = X + (DLOG ? C * (SW ? BV : VS) : 0);
+  static constexpr int X = V + C * (SW ? BV : VS);  // DLOG, DUAL: the chunk's rows of x, laid out as v
+  static constexpr int STAGE = X + (DLOG || DUAL ? C * (SW ? BV : VS) : 0);
   // two 16-bit copies of the state, KMAX x BV each: the state entering chunk c in copy c % 2;
   // KMAX 256 keeps one (its tiles fill the 163 KB of an A100), written after an extra barrier
   static constexpr int S = STAGES * STAGE, SCOPY = KMAX * (SW ? BV : VS), NCOPY = KMAX == 256 ? 1 : 2;
-  // SW only: OBUF buffers of the chunk's 64 output rows on their way to global memory (rows of BV + 8:
-  // conflict-free stmatrix, aligned bulk copies); one where three tile stages leave no room for two
+  // SW only: OBUF buffers of the chunk's 64 output rows on their way to global memory (rows of BV + 8,
+  // DUAL: of the wider output + 8: conflict-free stmatrix, aligned bulk copies); one where three tile
+  // stages leave no room for two, and for DUAL, whose two outputs a chunk take turns in it
   static constexpr int W = S + NCOPY * SCOPY;  // DLOG: the copies of W, as those of S
-  static constexpr int OS = BV + 8, O = W + (DLOG ? NCOPY * SCOPY : 0);
+  static constexpr int OS = (DUAL && KMAX > BV ? KMAX : BV) + 8, O = W + (DLOG ? NCOPY * SCOPY : 0);
   static constexpr int ALIGN = SW ? 1024 : 0;            // slack for aligning the base
   // + fp16 scaling: max|S| of the 4 state warps, 2 slots; + rtk_cta_sync_or's ring (2 words)
   static constexpr int TAIL = 32 + 8 + ALIGN;
-  static constexpr int OBUF = (O + 2 * C * OS) * 2 + TAIL <= 227 * 1024 ? 2 : 1;
+  static constexpr int OBUF = !DUAL && (O + 2 * C * OS) * 2 + TAIL <= 227 * 1024 ? 2 : 1;
   static constexpr int ELEMS = O + (SW ? OBUF * C * OS : 0);
   static constexpr int BYTES = ELEMS * 2 + TAIL;
   static __device__ __forceinline__ int qk_off(int r, int p) { return SW ? rtk_swz_off(C, r, p) : r * KS + p * 8; }
   static __device__ __forceinline__ int v_off(int r, int p) { return SW ? rtk_swz_off(C, r, p) : r * VS + p * 8; }
   static __device__ __forceinline__ int s_off(int r, int p) { return SW ? rtk_swz_off(KMAX, r, p) : r * VS + p * 8; }
 };
+
+// One k-step (keys 16 kk ..) of acc += P T by mma.sync: P is this warp's 16 rows of the chunk's
+// fp32 scores, T a 64-row tile at shared address t_addr whose 16-byte piece pc of row r sits at
+// element off(r, pc). With `clean` the Inf/NaN entries of T are zeroed in the operand (a dense
+// product would multiply them by the zeros above P's diagonal); returns whether any were.
+template <int DT, int NTX, class Off>
+__device__ __forceinline__ bool rtk_chunk_pv_step(float (&acc)[NTX][4], const float (&p)[8][4], int kk, rtk_u32 t_addr,
+                                                  int lane, bool clean, Off off) {
+  constexpr rtk_u32 EXP = rtk_expmask<DT>::v;
+  rtk_u32 a[4];
+  a[0] = rtk_pack2<DT>(p[2 * kk][0], p[2 * kk][1]);
+  a[1] = rtk_pack2<DT>(p[2 * kk][2], p[2 * kk][3]);
+  a[2] = rtk_pack2<DT>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+  a[3] = rtk_pack2<DT>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+  bool saw = false;
+  #pragma unroll
+  for (int np = 0; np < NTX / 2; ++np) {
+    rtk_u32 bb[4];
+    rtk_ldsm_x4_trans(bb, t_addr + 2 * off(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, np * 2 + (lane >> 4)));
+    if (clean) {  // rare: zero Inf/NaN in the operand, remember that this thread saw one
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const rtk_u32 lo_bad = ((bb[i] & EXP) == EXP) ? 0x0000FFFFu : 0u;
+        const rtk_u32 hi_bad = (((bb[i] >> 16) & EXP) == EXP) ? 0xFFFF0000u : 0u;
+        saw |= (lo_bad | hi_bad) != 0u;
+        bb[i] &= ~(lo_bad | hi_bad);
+      }
+    }
+    rtk_mma16816<DT>(acc[2 * np], a, bb[0], bb[1]);
+    rtk_mma16816<DT>(acc[2 * np + 1], a, bb[2], bb[3]);
+  }
+  return saw;
+}
+
+// acc (NTX = 8 per 64 columns) += P T on wgmma: P from registers (this warp's 16 rows of the
+// chunk's fp32 scores, rounded to 16 bits), T a 64-row tile stored MN-major in 128-byte-swizzled
+// regions of 64 columns at shared address t_addr.
+template <int DT, int NTX>
+__device__ __forceinline__ void rtk_chunk_pv_wgmma(float (&acc)[NTX][4], const float (&p)[8][4], rtk_u32 t_addr) {
+  constexpr int REGION = 64 * 128;  // bytes of one 64-column region of a 64-row tile
+  rtk_u32 a[4][4];
+  #pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    a[kk][0] = rtk_pack2<DT>(p[2 * kk][0], p[2 * kk][1]);
+    a[kk][1] = rtk_pack2<DT>(p[2 * kk][2], p[2 * kk][3]);
+    a[kk][2] = rtk_pack2<DT>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+    a[kk][3] = rtk_pack2<DT>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+  }
+  const unsigned long long dt = rtk_wg_desc(t_addr, RTK_MN_LBO(REGION), RTK_MN_SBO(REGION));
+  rtk_wg_fence();
+  #pragma unroll
+  for (int nb = 0; nb < NTX / 8; ++nb) {
+    float (&oa)[32] = reinterpret_cast<float (&)[32]>(acc[8 * nb]);
+    #pragma unroll
+    for (int kk = 0; kk < 4; ++kk) rtk_wgmma_rs<DT, 1>(oa, a[kk], rtk_desc_at(dt, (nb * REGION + kk * 2048) >> 4), 1);
+  }
+  rtk_wg_commit();
+  rtk_wg_wait<0>();
+  #pragma unroll
+  for (int nb = 0; nb < NTX / 8; ++nb) rtk_wg_pin(reinterpret_cast<float (&)[32]>(acc[8 * nb]));
+}
 
 // MINB: CTAs per SM the register budget is sized for (2: 128 registers a thread, for grids of
 // more than one wave; 1: no spills, for grids that give each SM at most one CTA anyway).
@@ -89,7 +159,8 @@ struct rtk_chunk_smem {
 // DLOG: see the header (16-byte aligned rows, wgmma, bf16, BV 64, not RTK_MODE_STATES).
 // STAGES: chunks of q/k/v tiles in shared memory: 2 (chunk c + 1 loading while c is computed) or,
 // wgmma without DLOG, 3 (chunks c + 1 and c + 2 loading: twice the bytes in flight).
-template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG, bool DLOG = false, int STAGES = 2>
+// DUAL: see the header (16-byte aligned rows, wgmma, two stages, one value tile: Dv <= BV).
+template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG, bool DLOG = false, int STAGES = 2, bool DUAL = false>
 __global__ void __launch_bounds__(256, MINB)
 rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p) {
   RTK_FWD_SHAPE(p.f);
@@ -97,7 +168,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   const rtk_i64 seg_len = p.seg_len;
   const int mode = (int)p.mode;
   const bool states_only = mode == RTK_MODE_STATES;
-  typedef rtk_chunk_smem<KMAX, BV, WG, DLOG, STAGES> L;
+  typedef rtk_chunk_smem<KMAX, BV, WG, DLOG, STAGES, DUAL> L;
   // A second CTA barrier per chunk, before the state warps write the next state copy: with one
   // copy (KMAX 256), and for fp16, whose copy is scaled by the 4 state warps' common maximum
   // (a barrier of the state warps alone would do, but compute-sanitizer's racecheck reported
@@ -112,6 +183,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   // (the W copy would need fp16's scaling of the S copy; bf16 has the range)
   static_assert(!DLOG || (WG && VEC && BV == 64 && DT == RTK_BF16), "bad dlog tile");
   static_assert(STAGES == 2 || (STAGES == 3 && WG && VEC && !DLOG), "bad stages");
+  static_assert(!DUAL || (WG && VEC && !DLOG && STAGES == 2), "bad dual tile");
   static_assert(L::BYTES <= 227 * 1024, "shared memory");
 
   extern __shared__ __align__(16) unsigned char smem_base[];
@@ -141,8 +213,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   const LD ld(tid - 128, Dk, dv_here, qb, kb, vb, q_sn, k_sn, v_sn);
   constexpr int VROWS = LD::VROWS;
   const int st = ld.st, vcol = ld.vcol, vrow = ld.vrow;
-  const rtk_u16* xb = DLOG ? reinterpret_cast<const rtk_u16*>(p.dlog_x) + rtk_offset(vs, b, h, n_begin) + v0 : nullptr;
-  const rtk_u16* x_first = DLOG ? ld.tile_first(xb) : nullptr;
+  const rtk_u16* xb = DLOG || DUAL ? reinterpret_cast<const rtk_u16*>(p.x) + rtk_offset(vs, b, h, n_begin) + v0 : nullptr;
+  const rtk_u16* x_first = DLOG || DUAL ? ld.tile_first(xb) : nullptr;
   auto load_chunk = [&](int chunk, int stage) {
     rtk_u16* sQ = sm + stage * L::STAGE + L::Q;
     rtk_u16* sK = sm + stage * L::STAGE + L::K;
@@ -152,8 +224,9 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       ld.template copy<C, KS, VS>(rtk_smem_addr(sQ + L::qk_off(ld.qrow, ld.qcol >> 3)),
                                   rtk_smem_addr(sK + L::qk_off(ld.qrow, ld.qcol >> 3)),
                                   rtk_smem_addr(sV + L::v_off(vrow, vcol >> 3)), n0, NS, !states_only);
-      if (DLOG) ld.template copy_tile<C, VS>(rtk_smem_addr(sm + stage * L::STAGE + L::X + L::v_off(vrow, vcol >> 3)),
-                                              x_first, xb, n0, NS);
+      if (DLOG || DUAL)
+        ld.template copy_tile<C, VS>(rtk_smem_addr(sm + stage * L::STAGE + L::X + L::v_off(vrow, vcol >> 3)), x_first,
+                                     xb, n0, NS);
     } else {
       for (int e = st; e < C * KMAX; e += 128) {
         const int r = e / KMAX, col = e - r * KMAX;
@@ -174,8 +247,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   const int nchunks = (NS + C - 1) / C;
 
   // The state warps' end of a chunk period: wait for their copies of chunk `next` (issued at the
-  // start of the period), look for non-finite v in it, then the CTA barrier, which ORs the answers.
-  // Returns whether chunk `next`'s v holds Inf/NaN.
+  // start of the period), look for non-finite v in it (DUAL: and in k, o2's values), then the CTA
+  // barrier, which ORs the answers. Returns whether chunk `next`'s v (or k) holds Inf/NaN.
   auto end_period = [&](int next) -> bool {
     bool my_bad = false;
     if (!out_warp) {
@@ -189,6 +262,15 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
           const uint4 x = *reinterpret_cast<const uint4*>(sV + L::v_off(vrow + u * VROWS, vcol >> 3));
           my_bad |= rtk_nonfinite2<DT>(x.x) | rtk_nonfinite2<DT>(x.y) | rtk_nonfinite2<DT>(x.z) |
                     rtk_nonfinite2<DT>(x.w);
+        }
+        if (DUAL) {
+          const rtk_u16* sK = sm + (next % STAGES) * L::STAGE + L::K;
+          #pragma unroll
+          for (int u = 0; u < C / LD::QROWS; ++u) {
+            const uint4 x = *reinterpret_cast<const uint4*>(sK + L::qk_off(ld.qrow + u * LD::QROWS, ld.qcol >> 3));
+            my_bad |= rtk_nonfinite2<DT>(x.x) | rtk_nonfinite2<DT>(x.y) | rtk_nonfinite2<DT>(x.z) |
+                      rtk_nonfinite2<DT>(x.w);
+          }
         }
       }
       // the tiles (cp.async) and the state copy (st.shared) are read by wgmma next: async proxy
@@ -210,6 +292,19 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     const rtk_chunk_decay dec(lg2, out_scale, g, t4, r0);
     // the wgmma kernel sends whole, 16-byte aligned output rows with bulk copies
     const bool osend = WG && ovec_full && o_sn % 8 == 0 && (reinterpret_cast<size_t>(ob + v0) & 15) == 0;
+    // DUAL: o2's rows, of k's strides, KMAX (= Dk, else paired stores column by column) wide
+    rtk_u16* ob2 = DUAL ? reinterpret_cast<rtk_u16*>(p.out2) + rtk_offset(ks, b, h, n_begin) : nullptr;
+    const bool ovec2 = DUAL && Dk == KMAX && (k_sn & 1) == 0 && (reinterpret_cast<size_t>(ob2) & 3) == 0;
+    const bool osend2 = ovec2 && k_sn % 8 == 0 && (reinterpret_cast<size_t>(ob2) & 15) == 0;
+    // scores P: gamma^(t-s) * scale for s <= t, 0 above the diagonal (code per warp: no branches)
+    auto scale_scores = [&](float (&pp)[8][4]) {
+      switch (w) {
+        case 0: dec.scale_scores<0>(pp); break;
+        case 1: dec.scale_scores<1>(pp); break;
+        case 2: dec.scale_scores<2>(pp); break;
+        default: dec.scale_scores<3>(pp); break;
+      }
+    };
     float s_inv = 1.f;  // the state copy holds S * 2^e (fp16); s_inv = 2^-e
     float dlog_sum = 0.f;  // DLOG: this thread's share of the CTA's sum
     if (SERIAL) rtk_cta_sync();  // (the state warps' next_copy)
@@ -235,37 +330,19 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       float o_acc[NT][4];
       float p[8][4];  // scores of the 16 rows against key tiles 0 .. 2w+1
       bool saw_bad = false;
-      auto pv = [&](int kk) {  // o_acc += P[:, 16 kk ..] V[16 kk .., :]  (kk a compile-time value)
-        rtk_u32 a[4];
-        a[0] = rtk_pack2<DT>(p[2 * kk][0], p[2 * kk][1]);
-        a[1] = rtk_pack2<DT>(p[2 * kk][2], p[2 * kk][3]);
-        a[2] = rtk_pack2<DT>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-        a[3] = rtk_pack2<DT>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-        #pragma unroll
-        for (int np = 0; np < NT / 2; ++np) {
-          rtk_u32 bb[4];
-          rtk_ldsm_x4_trans(bb, sV_addr + 2 * L::v_off(kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, np * 2 + (lane >> 4)));
-          if (v_bad) {  // rare: zero Inf/NaN in the operand, remember that this warp saw one
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const rtk_u32 lo_bad = ((bb[i] & EXP) == EXP) ? 0x0000FFFFu : 0u;
-              const rtk_u32 hi_bad = (((bb[i] >> 16) & EXP) == EXP) ? 0xFFFF0000u : 0u;
-              saw_bad |= (lo_bad | hi_bad) != 0u;
-              bb[i] &= ~(lo_bad | hi_bad);
-            }
-          }
-          rtk_mma16816<DT>(o_acc[2 * np], a, bb[0], bb[1]);
-          rtk_mma16816<DT>(o_acc[2 * np + 1], a, bb[2], bb[3]);
-        }
+      // o_acc += P[:, 16 kk ..] V[16 kk .., :] by mma.sync (kk a compile-time value)
+      auto pv = [&](int kk) {
+        saw_bad |= rtk_chunk_pv_step<DT>(o_acc, p, kk, sV_addr, lane, v_bad, [](int r, int pc) { return L::v_off(r, pc); });
       };
+      // wgmma descriptors: a base per operand, plus the byte offset of each 16-wide k step / 16-row
+      // group (>> 4: the start-address field counts 16-byte units, and never overflows here);
+      // kmaj: k-step ks of a 64-row tile stored K-major
+      auto kmaj = [](int ks) { return (rtk_u32)(((ks >> 2) * (C * 128) + (ks & 3) * 32) >> 4); };
       if constexpr (WG) {
         // q k^T for all 64 x 64 pairs and q S, both from shared memory, as two wgmma groups
-        // descriptors: a base per operand, plus the byte offset of each 16-wide k step / 16-row
-        // group (>> 4: the start-address field counts 16-byte units, and never overflows here)
         float (&pa)[32] = reinterpret_cast<float (&)[32]>(p);
         const unsigned long long dq = rtk_wg_desc(sQ_addr, 16, 1024), dk = rtk_wg_desc(sK_addr, 16, 1024);
         const unsigned long long ds = rtk_wg_desc(sS_addr, RTK_MN_LBO(KMAX * 128), RTK_MN_SBO(KMAX * 128));
-        auto kmaj = [](int ks) { return (rtk_u32)(((ks >> 2) * (C * 128) + (ks & 3) * 32) >> 4); };
         rtk_wg_fence();
         #pragma unroll
         for (int ks = 0; ks < KMAX / 16; ++ks) rtk_wgmma_ss<DT, 0>(pa, rtk_desc_at(dq, kmaj(ks)), rtk_desc_at(dk, kmaj(ks)), ks);
@@ -293,13 +370,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         }
         rtk_wg_wait<DLOG ? 2 : 1>();
         rtk_wg_pin(pa);
-        // P: gamma^(t-s) * scale for s <= t, 0 above the diagonal (code per warp: no branches)
-        switch (w) {
-          case 0: dec.scale_scores<0>(p); break;
-          case 1: dec.scale_scores<1>(p); break;
-          case 2: dec.scale_scores<2>(p); break;
-          default: dec.scale_scores<3>(p); break;
-        }
+        scale_scores(p);
         rtk_wg_wait<0>();
         #pragma unroll
         for (int nb = 0; nb < BV / 64; ++nb) rtk_wg_pin(reinterpret_cast<float (&)[32]>(o_acc[8 * nb]));
@@ -337,27 +408,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
           }
         }
         if (!v_bad) {  // P v: P from registers, v from shared memory
-          rtk_u32 a[4][4];
-          #pragma unroll
-          for (int kk = 0; kk < 4; ++kk) {
-            a[kk][0] = rtk_pack2<DT>(p[2 * kk][0], p[2 * kk][1]);
-            a[kk][1] = rtk_pack2<DT>(p[2 * kk][2], p[2 * kk][3]);
-            a[kk][2] = rtk_pack2<DT>(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-            a[kk][3] = rtk_pack2<DT>(p[2 * kk + 1][2], p[2 * kk + 1][3]);
-          }
-          const unsigned long long dv = rtk_wg_desc(sV_addr, RTK_MN_LBO(C * 128), RTK_MN_SBO(C * 128));
-          rtk_wg_fence();
-          #pragma unroll
-          for (int nb = 0; nb < BV / 64; ++nb) {
-            float (&oa)[32] = reinterpret_cast<float (&)[32]>(o_acc[8 * nb]);
-            #pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-              rtk_wgmma_rs<DT, 1>(oa, a[kk], rtk_desc_at(dv, (nb * (C * 128) + kk * 2048) >> 4), 1);
-          }
-          rtk_wg_commit();
-          rtk_wg_wait<0>();
-          #pragma unroll
-          for (int nb = 0; nb < BV / 64; ++nb) rtk_wg_pin(reinterpret_cast<float (&)[32]>(o_acc[8 * nb]));
+          rtk_chunk_pv_wgmma<DT>(o_acc, p, sV_addr);
         } else {  // rare: a non-finite v in this chunk; mma.sync with the operand cleaned
           #pragma unroll
           for (int kk = 0; kk < 4; ++kk) pv(kk);
@@ -422,9 +473,59 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
                                                      n0, r0, lane, len, o_sn, v0);
       else
         rtk_chunk_store_rows<DT>(ob, o_acc, n0, r0, g, t4, len, o_sn, v0, dv_here, ovec_full);
+      if constexpr (DUAL) {
+        // o2 = scale (gamma^(t+1) x S^T + P2 k), P2_ts = gamma^(t-s) x_t . v_s: x v^T and x S^T from
+        // shared memory (the state copy read K-major is S^T), then P2 k with k read MN-major
+        float o2[KMAX / 8][4];
+        float p2[8][4];
+        float (&p2a)[32] = reinterpret_cast<float (&)[32]>(p2);
+        const rtk_u32 sX_addr = rtk_smem_addr(sm + stage * L::STAGE + L::X);
+        const unsigned long long dx = rtk_wg_desc(sX_addr, 16, 1024), dvk = rtk_wg_desc(sV_addr, 16, 1024);
+        const unsigned long long dst = rtk_wg_desc(sS_addr, 16, 1024);
+        rtk_wg_fence();
+        #pragma unroll
+        for (int ks = 0; ks < BV / 16; ++ks) rtk_wgmma_ss<DT, 0>(p2a, rtk_desc_at(dx, kmaj(ks)), rtk_desc_at(dvk, kmaj(ks)), ks);
+        rtk_wg_commit();
+        #pragma unroll
+        for (int nb = 0; nb < KMAX / 64; ++nb)
+          #pragma unroll
+          for (int ks = 0; ks < BV / 16; ++ks)
+            rtk_wgmma_ss<DT, 0>(reinterpret_cast<float (&)[32]>(o2[8 * nb]), rtk_desc_at(dx, kmaj(ks)),
+                                rtk_desc_at(dst, ((ks >> 2) * (KMAX * 128) + (ks & 3) * 32 + nb * (64 * 128)) >> 4), ks);
+        rtk_wg_commit();
+        rtk_wg_wait<1>();
+        rtk_wg_pin(p2a);
+        scale_scores(p2);
+        rtk_wg_wait<0>();
+        #pragma unroll
+        for (int nb = 0; nb < KMAX / 64; ++nb) rtk_wg_pin(reinterpret_cast<float (&)[32]>(o2[8 * nb]));
+        const float f_lo = dec.inter0 * s_inv * dec.row_lo, f_hi = dec.inter0 * s_inv * dec.row_hi;
+        #pragma unroll
+        for (int nt = 0; nt < KMAX / 8; ++nt) {
+          o2[nt][0] *= f_lo; o2[nt][1] *= f_lo;
+          o2[nt][2] *= f_hi; o2[nt][3] *= f_hi;
+        }
+        bool saw2 = false;
+        if (!v_bad) {
+          rtk_chunk_pv_wgmma<DT>(o2, p2, sK_addr);
+        } else {  // rare: a non-finite v or k in this chunk
+          #pragma unroll
+          for (int kk = 0; kk < 4; ++kk)
+            saw2 |= rtk_chunk_pv_step<DT>(o2, p2, kk, sK_addr, lane, true, [](int r, int pc) { return L::qk_off(r, pc); });
+        }
+        if (v_bad && __any_sync(0xffffffffu, saw2)) {
+          const rtk_u16* sK = sm + stage * L::STAGE + L::K;
+          rtk_chunk_mark_nonfinite(o2, r0, g, t4,
+                                   [&](int s2, int c) -> int { return (sK[L::qk_off(s2, c >> 3) + (c & 7)] & EXP) == EXP; });
+        }
+        if (osend2)
+          rtk_chunk_send_rows<DT, KMAX / 8, L::OS, 1>(ob2, o2, rtk_smem_addr(sm + L::O), n0, r0, lane, len, k_sn, 0);
+        else
+          rtk_chunk_store_rows<DT>(ob2, o2, n0, r0, g, t4, len, k_sn, 0, Dk, ovec2);
+      }
       v_bad = out_end(chunk);  // done with this stage and this state copy
     }
-    if (WG && osend) rtk_bulk_wait_all<0>();
+    if (WG && (osend || (DUAL && osend2))) rtk_bulk_wait_all<0>();
     if constexpr (DLOG) {  // this warp's share of the CTA's sum (bf16: s_red, fp16's, is free)
       #pragma unroll
       for (int off = 16; off > 0; off >>= 1) dlog_sum += __shfl_xor_sync(0xffffffffu, dlog_sum, off);

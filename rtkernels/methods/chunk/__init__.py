@@ -41,6 +41,7 @@ from .plan import instances as _fwd_instances
 from .plan import (CHUNK_KERNEL, F32_SOURCE, FWD16_SOURCE, MAX_DIM, MAX_VALUE_DIM, MODE_FOLD, MODE_FUSED, MODE_STATES,
                    SEG_SCAN_SOURCE, SMEM_LIMIT_SM90, SMEM_LIMITS_OTHER, STATES_SOURCE, TUNE_SPACE, WGMMA_OPTIONS,
                    Launch, Overrides, aligned, all_configs, config_smem, ctas_per_sm, current_overrides, dlog_launch,
+                   dual_config, dual_launch, fuses_dk_dv,
                    f32_config, f32_smem_bytes, f32_stages, f32_threads, fold_parts, kernel_config, kernel_supports,
                    name_expression, override, plan_launch, segments_for, smem_bytes, split, states_config, states_name,
                    states_smem_bytes, tuned_launch, value_tile)
@@ -53,7 +54,7 @@ __all__ = [
     "f32_config", "f32_smem_bytes", "f32_stages", "f32_threads", "config_smem", "ctas_per_sm", "segments_for",
     "value_tile", "aligned", "CHUNK", "CHUNK_KERNEL", "MAX_DIM", "MAX_VALUE_DIM", "SMEM_LIMIT_SM90", "SMEM_LIMITS_OTHER",
     "WGMMA_OPTIONS", "MODE_FUSED", "MODE_STATES", "MODE_FOLD", "FWD16_SOURCE", "F32_SOURCE", "STATES_SOURCE",
-    "SEG_SCAN_SOURCE", "dlog_launch", "split", "fold_parts",
+    "SEG_SCAN_SOURCE", "dlog_launch", "dual_config", "dual_launch", "fuses_dk_dv", "split", "fold_parts",
 ]
 
 

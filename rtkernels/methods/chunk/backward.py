@@ -107,7 +107,8 @@ def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: L
                  reverse: bool, fp32_precision: str = "exact", on_kernel: Optional[bool] = None,
                  dlog: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  forward_states: Optional[tuple[torch.Tensor, tuple]] = None,
-                 keep: Optional[list] = None) -> Optional[torch.Tensor]:
+                 keep: Optional[list] = None,
+                 dual: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
     """The forward operator into ``out`` (``[B, H, N, Dv]``), in token order or, with ``reverse``,
     on the reversed sequence with its output written back in reverse order (``initial_state``
     entering before token N-1, the final state, returned when ``need_state``, after token 0).
@@ -117,10 +118,13 @@ def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: L
     Work O(N C (Dk + Dv) + N Dk Dv). ``on_kernel``: :func:`kernel_runs` for these operands, if the
     caller knows it already. ``dlog``: (x, partial sums) for the dq pass that also sums dlog(gamma)
     (kernel only; :func:`.decay_grad.dq_pass_sums` decides). ``forward_states``, ``keep``: another
-    pass's states-pass slots to fold, a list for this pass's (kernel only; :func:`.launch.launch_pass`)."""
+    pass's states-pass slots to fold, a list for this pass's (kernel only; :func:`.launch.launch_pass`).
+    ``dual``: (x, out2), the dv pass that also writes dk (kernel only, where
+    :func:`.plan.fuses_dk_dv` holds; :func:`.launch.kernel_forward`)."""
     if kernel_runs(q, k, v, out) if on_kernel is None else on_kernel:
         return launch.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state, fp32_precision,
-                                     reverse=reverse, dlog=dlog, forward_states=forward_states, keep=keep)
+                                     reverse=reverse, dlog=dlog, forward_states=forward_states, keep=keep,
+                                     dual=dual)
     if not reverse:
         return run_torch_path(torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)
     flipped = torch.empty_like(out)
@@ -153,7 +157,8 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
                     log_decay: LogDecay, scale: float, initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
                     grad_state: Optional[torch.Tensor], need_state_grad: bool, dtype: torch.dtype,
                     dlog_partials: Optional[torch.Tensor] = None, dlog_g: Optional[torch.Tensor] = None,
-                    forward_states: Optional[tuple[torch.Tensor, tuple]] = None
+                    forward_states: Optional[tuple[torch.Tensor, tuple]] = None,
+                    fuse_dk_dv: Optional[bool] = False
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
                                Optional[torch.Tensor]]:
     """The three passes of the module docstring, each ``run(q, k, v, log_decay, scale, out,
@@ -166,7 +171,11 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
     ``forward_states``: the forward's states-pass slots, handed to the dq pass (``run`` then takes
     ``states=``), which folds them instead of running its own states pass where they match. The dk
     pass keeps its slots (``run`` takes ``keep=``, a list) and the dv pass folds them the same way:
-    its states are their transposes (:func:`.launch.transposed_slots`)."""
+    its states are their transposes (:func:`.launch.transposed_slots`). ``fuse_dk_dv``: whether the
+    dk and dv passes run as one walk (``run`` takes ``dual=(v, dk)``): the dv pass R(k, q, g), whose
+    state sum q^T g is the dk pass's transposed, also writing R(v, g, q) into dk. None: where
+    :func:`.plan.fuses_dk_dv` holds for these buffers (the chunk kernel runs every pass); True:
+    the caller knows it holds (a planned backward repeating one that fused)."""
     cdt = compute_dtype(q.dtype)
     dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
@@ -175,10 +184,15 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
         run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, **extra)
     else:
         run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, dlog=(q, dlog_partials, dlog_g), **extra)
-    kept: list = []
-    run(v, grad_out, q, log_decay, scale, dk, None, False, True, keep=kept)
-    dk_states = {"states": kept[0]} if kept else {}
-    back = run(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, **dk_states)
+    if fuse_dk_dv is None:
+        fuse_dk_dv = plan.fuses_dk_dv(q, k, v, grad_out, dk, current_overrides())
+    if fuse_dk_dv:
+        back = run(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, dual=(v, dk))
+    else:
+        kept: list = []
+        run(v, grad_out, q, log_decay, scale, dk, None, False, True, keep=kept)
+        dk_states = {"states": kept[0]} if kept else {}
+        back = run(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, **dk_states)
     # log(gamma) in torch only where the state terms need it (a device decay costs several ops)
     lg = log_decay.tensor(cdt) if need_state_grad or grad_state is not None else None
     d_s0 = back.to(cdt) * (scale * torch.exp(lg)).view(-1, 1, 1) if need_state_grad else None
@@ -187,11 +201,16 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
 
 class _PlannedBackward(NamedTuple):
     """A backward repeated with new tensors (:func:`kernel_backward`'s plan): the launches of
-    :func:`gradient_passes`' three passes, in its order, and where the dq pass sums dlog(gamma),
+    :func:`gradient_passes`' passes (three, or two with dk and dv fused), in its order, and where the dq pass sums dlog(gamma),
     its partial sums' buffer shape and sum launch (else None)."""
 
     passes: tuple[Callable[..., Optional[torch.Tensor]], ...]
     sums: Optional[PartialSums]
+
+    @property
+    def fused_dk_dv(self) -> bool:
+        """Whether the dk and dv passes ran as one walk (two passes planned, not three)."""
+        return len(self.passes) == 2
 
     def replay(self, decay: int) -> Callable[..., Optional[torch.Tensor]]:
         """A ``run`` for :func:`gradient_passes` that calls the planned launches in turn with the
@@ -200,9 +219,9 @@ class _PlannedBackward(NamedTuple):
         passes = iter(self.passes)
 
         def run(q, k, v, log_decay_, scale, out, initial_state, need_state, reverse, dlog=None, states=None,
-                keep=None):
+                keep=None, dual=None):
             return launch.launch_pass(next(passes), q, k, v, out, initial_state, decay, dlog=dlog,
-                                      forward_states=states, keep=keep)
+                                      forward_states=states, keep=keep, dual=dual)
         return run
 
 
@@ -250,8 +269,10 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     planning = None  # the launches of a call that is being planned
     if planned is not None:
         on_kernel, sums, run = True, planned.sums, planned.replay(log_decay.kernel_arg()[0])
+        fuse = planned.fused_dk_dv
     else:
         on_kernel = kernel_runs(q, k, v, grad_out)
+        fuse = None if on_kernel else False  # None: gradient_passes asks plan.fuses_dk_dv
         # dlog(gamma) inside the dq pass where it can (decay_grad's docstring), else its own kernel below
         fused = need_decay_grad and on_kernel and dq_pass_sums(q, k, v, grad_out, grad_state)
         sums = PartialSums(q, v, log_decay) if fused else None
@@ -260,18 +281,18 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
             planning = []
 
         def run(q_, k_, v_, log_decay_, scale_, out, initial_state_, need_state, reverse, dlog=None, states=None,
-                keep=None):
+                keep=None, dual=None):
             if planning is not None:  # the launch kernel_forward takes (unit strides: no copies)
                 planning.append(launch.pass_launcher(q_, k_, v_, log_decay_, scale_, out, need_state, fp32_precision,
-                                                     reverse=reverse, dlog=dlog is not None))
+                                                     reverse=reverse, dlog=dlog is not None, dual=dual is not None))
             return forward_pass(q_, k_, v_, log_decay_, scale_, out, initial_state_, need_state, reverse,
-                                fp32_precision, on_kernel, dlog, states, keep)
+                                fp32_precision, on_kernel, dlog, states, keep, dual)
 
     partials = None if sums is None else sums.buffer()
     g_fp32 = None if sums is None or grad_state is None else grad_state.to(torch.float32).contiguous()
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
                                            need_state_grad, q.dtype if on_kernel else cdt, partials, g_fp32,
-                                           forward_states if on_kernel else None)
+                                           forward_states if on_kernel else None, fuse)
     if grad_state is not None:
         g_state = grad_state.to(cdt)
         _add_state_term(dk, v, g_state.transpose(-1, -2), lg)

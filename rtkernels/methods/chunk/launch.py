@@ -16,7 +16,7 @@ from ...jit import get_function, launch as _launch_kernel
 from ...jit.tensor_map import TensorMaps
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
 from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE, STATES_SOURCE, Launch, _sm_count,
-                   _smem_limit, aligned, current_overrides, dlog_launch, fold_parts, key_pieces, packed_launch,
+                   _smem_limit, aligned, current_overrides, dlog_launch, dual_launch, fold_parts, key_pieces, packed_launch,
                    plan_launch, split, states_config, states_name, states_options, states_smem_bytes, states_tma,
                    tuned_launch)
 
@@ -93,6 +93,11 @@ class ChunkLaunch:
     H]`` float32 partial sums and of the final state's gradient (fp32, contiguous; 0: none). Split
     into segments, its states pass also carries W = dS/dlog(gamma) (twice the slots).
 
+    ``dual``: the instance that also writes a second output (:func:`.plan.dual_launch`; the
+    backward's dk and dv passes as one walk, planned as the dv pass R(k, q, g)); each call then takes
+    ``dual``, the addresses of x (the forward's v, with v's strides) and of the second output (dk,
+    with k's strides).
+
     ``fold``: for a split launch with the dedicated states pass (16-bit, not ``dlog``), what its
     slots are: ``(segments, fold_len, slots, state_shape)``, else None. A call may hand back its
     slots (``keep``, a list it appends ``(slots, fold)`` to: the forward of a training step keeps
@@ -106,7 +111,7 @@ class ChunkLaunch:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
                  out: torch.Tensor, need_state: bool, reverse: bool = False, fp32_precision: str = "exact",
-                 tuned: Optional[Config] = None, sequences: int = 0, dlog: bool = False):
+                 tuned: Optional[Config] = None, sequences: int = 0, dlog: bool = False, dual: bool = False):
         b, h, n, dk = q.shape
         dv = v.shape[-1]
         vec = aligned(q, reverse) and aligned(k, reverse) and aligned(v, reverse)
@@ -120,6 +125,8 @@ class ChunkLaunch:
             bh = sequences * h
         if dlog:  # packed sequences: one segment (as packed_launch)
             lp = dlog_launch(q.dtype, dk, dv, bh, n, dev, dataclasses.replace(over, segments=1) if sequences else over)
+        elif dual:
+            lp = dual_launch(q.dtype, dk, dv, bh, n, dev, over)
         elif sequences:
             lp = packed_launch(q.dtype, dk, dv, vec, bh, max(1, n // sequences), dev, over, exact)
         else:
@@ -134,7 +141,7 @@ class ChunkLaunch:
         grid, block, tail = (bh, -(-dv // bv), nseg), (threads, 1, 1), fwd_tail(q, k, v, out, scale, mode, reverse)
         # the split strategy with the dedicated states kernel (always for dlog): its slots, then the
         # fused pass folding them
-        fold = nseg > 1 and q.dtype != torch.float32 and (over.dedicated_states or dlog)
+        fold = nseg > 1 and q.dtype != torch.float32 and (over.dedicated_states or dlog or dual)
         self.device = q.device
         self.need_state = need_state
         self.state_shape = (sequences or b, h, dk, dv)
@@ -159,7 +166,7 @@ class ChunkLaunch:
             if not dlog:
                 self.fold = (nseg, fold_len, self.slots, self.state_shape)
         mode_k = MODE_FOLD if fold else MODE_FUSED
-        if sequences or dlog:  # addresses that change per call: the struct is packed at each launch
+        if sequences or dlog or dual:  # addresses that change per call: the struct is packed at each launch
             self.packed = (fn, grid, block, smem, dev, (*tail, seg_len, mode_k, fold_len), int(reverse))
             self.fused = None
             return
@@ -178,13 +185,15 @@ class ChunkLaunch:
                  initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None,
                  decay_ptr: Optional[int] = None, seqs: Optional[tuple[int, int]] = None,
                  dlog: Optional[tuple[int, int, int]] = None, keep: Optional[list] = None,
-                 slots: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                 slots: Optional[torch.Tensor] = None, dual: Optional[tuple[int, int]] = None
+                 ) -> Optional[torch.Tensor]:
         """Launch on new tensors; ``decay``: a CUDA decay tensor of the planned dtype and stride in
         place of the planned one (the cached call's), or ``decay_ptr``, the address of one (a
         :meth:`LogDecay.kernel_arg` of the planned mode); neither: the planned decay. ``seqs``: the
         packed sequences' (offsets, validity flag) addresses, for a launch planned with ``sequences``;
         ``dlog``: the (x, partial sums, final-state gradient or 0) addresses, for a launch planned
-        with ``dlog``. ``keep``, ``slots``: the class docstring's ``fold`` (ignored without one)."""
+        with ``dlog``; ``dual``: the (x, second output) addresses, for a launch planned with ``dual``.
+        ``keep``, ``slots``: the class docstring's ``fold`` (ignored without one)."""
         s0 = initial_state
         if s0 is not None and (s0.dtype != torch.float32 or not s0.is_contiguous()):
             s0 = s0.to(torch.float32).contiguous()
@@ -209,8 +218,14 @@ class ChunkLaunch:
                 keep.append((local, self.fold))
         if self.packed is not None:
             fn, grid, block, smem, dev, tail, rev = self.packed
-            _launch_kernel(fn, grid, block, (qp, kp, vp, op, dp, s0p, fp, *tail, *(seqs or (0, 0)), rev,
-                                             *(dlog or (0, 0, 0))), dev, smem, pointers=FWD_POINTERS)
+            if dual is not None:  # x has v's strides and the second output k's: the same row offsets
+                x, out2 = dual
+                extras = (x + (self.offsets[2] if self.offsets else 0), 0, 0,
+                          out2 + (self.offsets[1] if self.offsets else 0))
+            else:
+                extras = (*(dlog or (0, 0, 0)), 0)
+            _launch_kernel(fn, grid, block, (qp, kp, vp, op, dp, s0p, fp, *tail, *(seqs or (0, 0)), rev, *extras),
+                           dev, smem, pointers=FWD_POINTERS)
             return final
         if self.scan is None:
             self.fused(qp, kp, vp, op, dp, s0p, fp)
@@ -310,22 +325,23 @@ _PLANNED_MAX = 256
 
 def pass_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
                   out: torch.Tensor, need_state: bool, fp32_precision: str = "exact", *, reverse: bool = False,
-                  sequences: int = 0, dlog: bool = False):
+                  sequences: int = 0, dlog: bool = False, dual: bool = False):
     """The planned launch (:class:`ChunkLaunch` or :class:`KeyPiecesLaunch`) of one
     :func:`kernel_forward` pass over these ``[B, H, N, D]`` views (unit last stride), kept by call
     signature: shapes, strides, dtypes, device, 16-byte alignment, the decay's kernel mode, scale,
     the flags, the number of packed sequences, the autotune store's state and the overrides. A
-    repeated pass costs the key and its launches; the backward's plan holds three of them."""
+    repeated pass costs the key and its launches; the backward's plan holds two or three of them."""
     mode = log_decay.kernel_arg()[1]
     key = (q.shape, q.stride(), k.stride(), v.shape, v.stride(), out.stride(), q.dtype, k.dtype, v.dtype,
            out.dtype, q.get_device(), (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15, mode,
-           scale, need_state, fp32_precision, reverse, sequences, dlog, plan_state(), current_overrides())
+           scale, need_state, fp32_precision, reverse, sequences, dlog, dual, plan_state(), current_overrides())
     launcher = _planned.get(key)
     if launcher is None:
         if len(_planned) >= _PLANNED_MAX:
             _planned.clear()
         launcher = _planned[key] = (
             ChunkLaunch(q, k, v, log_decay, scale, out, need_state, sequences=sequences, dlog=True) if dlog
+            else ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse, dual=True) if dual
             else _launcher(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision, sequences))
     return launcher
 
@@ -336,7 +352,8 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
                    packed: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                    dlog: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
                    forward_states: Optional[tuple[torch.Tensor, tuple]] = None,
-                   keep: Optional[list] = None) -> Optional[torch.Tensor]:
+                   keep: Optional[list] = None,
+                   dual: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
     """One fused pass, or with few (batch, head, value-tile) CTAs the split-sequence strategy:
     a states-only pass (``rtk_chunk_states`` for 16-bit inputs, which skips the last segment; the
     fused kernel's states-only mode plus a scan kernel for fp32), then the fused pass per segment
@@ -366,32 +383,39 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     match (:func:`transposed_slots`). ``keep``: a list that gets this pass's ``(slots, fold)`` where
     it runs a states pass (:func:`launch_pass`).
 
+    ``dual``: ``(x, out2)``, the backward's dk and dv passes as one walk (16-bit; the caller checks
+    :func:`.plan.fuses_dk_dv`): this pass is the dv pass R(k, q, g) into ``out``, and it also writes
+    R(x, g, k) (dk, with x the forward's v) into ``out2``; x has v's strides, out2 k's.
+
     The plan is kept by call signature (:func:`pass_launcher`), so a repeated pass costs its launches."""
     q, k, v = unit_stride(q, k, v)
     sequences = 0 if packed is None else packed[0].shape[0] - 1
     launcher = pass_launcher(q, k, v, log_decay, scale, out, need_state, fp32_precision, reverse=reverse,
-                             sequences=sequences, dlog=dlog is not None)
+                             sequences=sequences, dlog=dlog is not None, dual=dual is not None)
     decay = log_decay.kernel_arg()[0]
     seqs = None if packed is None else (packed[0].data_ptr(), packed[1].data_ptr())
-    return launch_pass(launcher, q, k, v, out, initial_state, decay, seqs, dlog, forward_states, keep)
+    return launch_pass(launcher, q, k, v, out, initial_state, decay, seqs, dlog, forward_states, keep, dual)
 
 
 def launch_pass(launcher: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                 initial_state: Optional[torch.Tensor], decay_ptr: int, seqs: Optional[tuple[int, int]] = None,
                 dlog: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
                 forward_states: Optional[tuple[torch.Tensor, tuple]] = None,
-                keep: Optional[list] = None) -> Optional[torch.Tensor]:
+                keep: Optional[list] = None,
+                dual: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
     """Run a planned pass (a :func:`pass_launcher` launch; :func:`kernel_forward` and the backward's
     replayed plans) on these tensors with the decay at ``decay_ptr``: ``forward_states`` folded in
     place of its states pass where they match (:func:`transposed_slots`), else ``seqs`` and
-    ``dlog`` (tensors, as :func:`kernel_forward` takes them) passed on as addresses. ``keep``: where
+    ``dlog`` and ``dual`` (tensors, as :func:`kernel_forward` takes them) passed on as addresses. ``keep``: where
     the pass runs the dedicated states pass (its launcher has a ``fold``), ``(slots, fold)`` is
     appended to it, for a later pass whose states are the transposes of these."""
+    two = {} if dual is None else {"dual": (dual[0].data_ptr(), dual[1].data_ptr())}
     slots = None if forward_states is None else transposed_slots(launcher, *forward_states)
     if slots is not None:
-        return launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, slots=slots)
+        return launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, slots=slots, **two)
     # only a ChunkLaunch with a states pass keeps slots (key pieces take no keep=)
     extra = {"keep": keep} if keep is not None and getattr(launcher, "fold", None) is not None else {}
+    extra.update(two)
     if dlog is None:
         return launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, seqs=seqs, **extra)
     return launcher(q, k, v, out, initial_state, decay_ptr=decay_ptr, seqs=seqs, **extra,

@@ -161,7 +161,8 @@ def all_configs() -> list[tuple]:
     wg = {kernel_config(dt, dk, 128, vec, 1, 1, True, bv, stages=st) for dt in (torch.float16, torch.bfloat16)
           for dk in (64, 128) for vec in (False, True) for bv in (64, 128) for st in (2, 3)}
     dlog = {dlog_config(torch.bfloat16, dk, True) for dk in (64, 128)}
-    return sorted(plain | wg | dlog | _f32_configs())
+    dual = {dual_config(dt, dk, dv, True) for dt in (torch.float16, torch.bfloat16) for dk in (64, 128) for dv in (64, 128)}
+    return sorted(plain | wg | dlog | dual | _f32_configs())
 
 
 def dlog_config(dtype: torch.dtype, dk: int, vec: bool) -> Optional[tuple]:
@@ -175,6 +176,17 @@ def dlog_config(dtype: torch.dtype, dk: int, vec: bool) -> Optional[tuple]:
     return dtype_code(dtype), _kmax(dk), 64, True, 1, True, True
 
 
+def dual_config(dtype: torch.dtype, dk: int, dv: int, vec: bool) -> Optional[tuple]:
+    """Template arguments (DT, KMAX, BV, VEC, MINB, WG, DLOG, STAGES, DUAL) of the ``rtk_chunk_fwd``
+    instance that runs the backward's dk and dv passes as one walk (``cuda_src/chunk/fwd16.cu``'s
+    header, DUAL): fp16 or bf16, 16-byte aligned rows, Dk <= 128 and Dv <= 128 (the forward's; dk
+    contracts over all of Dv, so one value tile of 64 or 128 columns holds it), on the wgmma
+    kernel; None where it does not exist. The caller checks that the GPU runs sm_90a code."""
+    if dtype not in (torch.float16, torch.bfloat16) or not vec or dk > KEY_PIECE or dv > 128:
+        return None
+    return dtype_code(dtype), _kmax(dk), 64 if dv <= 64 else 128, True, 1, True, False, 2, True
+
+
 def _is_f32(config: tuple) -> bool:
     return config[0] == dtype_code(torch.float32)
 
@@ -185,20 +197,23 @@ def name_expression(config: tuple) -> str:
     return "rtk_chunk_fwd<" + ", ".join(str(c).lower() for c in config) + ">"
 
 
-def smem_bytes(kmax: int, bv: int, wg: bool = False, dlog: bool = False, stages: int = 2) -> int:
+def smem_bytes(kmax: int, bv: int, wg: bool = False, dlog: bool = False, stages: int = 2, dual: bool = False) -> int:
     """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in the kernel): ``stages``
     stages of q/k/v tiles, two 16-bit state copies (one for KMAX 256), and with ``wg`` two buffers
     of output rows (one where two do not fit beside three stages); ``dlog`` (wgmma only): an x tile
-    per stage and two copies of W."""
+    per stage and two copies of W; ``dual`` (wgmma only): an x tile per stage and one buffer of
+    output rows as wide as the wider output."""
     c = CHUNK_KERNEL
     copies = 1 if kmax == 256 else 2
     if wg:  # 128-byte-swizzled tiles without padding, output-row buffers (rows padded by 16
         # bytes), + slack to align the base to 1024 bytes
-        x, w = (c * bv, copies * kmax * bv) if dlog else (0, 0)
+        x = c * bv if dlog or dual else 0
+        w = copies * kmax * bv if dlog else 0
         head = stages * (2 * c * kmax + c * bv + x) + copies * kmax * bv + w
         fixed = 32 + 8 + 1024
-        obuf = 2 if 2 * (head + 2 * c * (bv + 8)) + fixed <= SMEM_LIMIT_SM90 else 1
-        return 2 * (head + obuf * c * (bv + 8)) + fixed
+        row = (max(kmax, bv) if dual else bv) + 8
+        obuf = 2 if not dual and 2 * (head + 2 * c * row) + fixed <= SMEM_LIMIT_SM90 else 1
+        return 2 * (head + obuf * c * row) + fixed
     return 2 * (stages * (2 * c * (kmax + 8) + c * (bv + 8)) + copies * kmax * (bv + 8)) + 32 + 8
 
 
@@ -221,7 +236,8 @@ def config_smem(config: tuple) -> int:
     """Dynamic shared memory of a :func:`kernel_config` template, either kernel."""
     if _is_f32(config):
         return f32_smem_bytes(config[1], config[2], config[3])
-    return smem_bytes(config[1], config[2], config[5], len(config) > 6 and config[6], fwd_stages(config))
+    return smem_bytes(config[1], config[2], config[5], len(config) > 6 and config[6], fwd_stages(config),
+                      len(config) > 8 and config[8])
 
 
 def fwd_stages(config: tuple) -> int:
@@ -333,7 +349,9 @@ class Overrides:
     wgmma runs. ``stages``: chunk stages of q/k/v tiles of the wgmma kernel (2 or 3; 3 only where
     every operand row is 16-byte aligned); None: :func:`default_stages`. ``tensor_copies``: the
     states pass takes its Hopper instance (tensor copies and wgmma) where it can
-    (:func:`states_tma`), or always cp.async and mma.sync."""
+    (:func:`states_tma`), or always cp.async and mma.sync. ``fused_dk_dv``: the backward's dk and
+    dv passes as one walk (:func:`fuses_dk_dv`): True wherever it can, False never, None the
+    heuristic."""
 
     segments: Optional[int] = None
     wgmma: Optional[bool] = None
@@ -342,6 +360,7 @@ class Overrides:
     key_pieces: Optional[bool] = None
     stages: Optional[int] = None
     tensor_copies: bool = True
+    fused_dk_dv: Optional[bool] = None
 
     @property
     def steers_plan(self) -> bool:
@@ -421,11 +440,13 @@ MODE_FUSED, MODE_STATES, MODE_FOLD = 0, 1, 2
 #: The fields of ``rtk_chunk_shape`` after its ``rtk_fwd_shape`` (``cuda_src/chunk/modes.cuh``; a test
 #: holds them against the header): the segment length, the mode, the tokens per states-pass slot
 #: (:func:`fold_parts`; read in RTK_MODE_FOLD), and the packed sequences' offsets
-#: address (0: none), the address of their validity flag, whether the launch is reversed, and for
-#: the DLOG instances (:func:`dlog_config`) the addresses of x, of the partial sums and of the final
-#: state's gradient (0 elsewhere, and for no such gradient).
-CHUNK_FIELDS = ("seg_len", "mode", "fold_len", "cu_seqlens", "cu_valid", "cu_reverse", "dlog_x", "dlog_out",
-                "dlog_g")
+#: address (0: none), the address of their validity flag, whether the launch is reversed, the
+#: address of the fourth operand x (the DLOG and DUAL instances), for the DLOG instances
+#: (:func:`dlog_config`) the addresses of the partial sums and of the final state's gradient, and
+#: for the DUAL ones (:func:`dual_config`) the address of the second output (0 elsewhere, and for
+#: no such gradient).
+CHUNK_FIELDS = ("seg_len", "mode", "fold_len", "cu_seqlens", "cu_valid", "cu_reverse", "x", "dlog_out",
+                "dlog_g", "out2")
 #: The fields after (seg_len, mode, fold_len) of a launch with none of them set.
 NO_EXTRAS = (0,) * (len(CHUNK_FIELDS) - 3)
 
@@ -548,6 +569,39 @@ def dlog_launch(dtype: torch.dtype, dk: int, dv: int, bh: int, n: int, dev: int,
     (:func:`states_config` with ``dlog``)."""
     nseg = overrides.segments or segments_for(bh * -(-dv // 64), n, _sm_count(dev), 1)
     return _launch_of(dlog_config(dtype, dk, True), split(n, nseg)[1])
+
+
+@functools.lru_cache(maxsize=256)
+def dual_launch(dtype: torch.dtype, dk: int, dv: int, bh: int, n: int, dev: int,
+                overrides: Overrides = Overrides()) -> Launch:
+    """The launch of the backward's fused dk and dv pass (:func:`dual_config`'s instance, which must
+    exist for these arguments) over ``bh`` CTA rows of ``n`` tokens, one CTA per (batch, head) and
+    segment: split as the forward is (:func:`segments_for`, one CTA per SM; ``overrides.segments``
+    wins), the segments folding the dedicated states pass's slots."""
+    nseg = overrides.segments or segments_for(bh, n, _sm_count(dev), 1)
+    return _launch_of(dual_config(dtype, dk, dv, True), split(n, nseg)[1])
+
+
+def fuses_dk_dv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, dk: torch.Tensor,
+                overrides: Overrides) -> bool:
+    """Whether the backward runs its dk and dv passes as one walk (:func:`dual_launch`) for the
+    forward's q, k, v, the output's gradient and the dk buffer (CUDA tensors the chunk kernel
+    takes): its instance exists (:func:`dual_config`; every operand row 16-byte aligned, read
+    from the last token), wgmma runs, v and dL/do have one set of strides (the kernel reads its
+    fourth tile with the third's), dk has q's (its second output is written with the second
+    operand's strides), and ``overrides.fused_dk_dv`` allows it: True wherever it can, None where
+    the dv pass alone would take one value tile holding all of Dv (:func:`value_tile`), since the
+    fused pass runs one CTA per (batch, head) and segment; False never."""
+    if (overrides.fused_dk_dv is False or not q.is_cuda or v.stride() != grad_out.stride()
+            or dk.stride() != q.stride()):
+        return False
+    b, h, n, d_k = q.shape
+    d_v = v.shape[-1]
+    dev = q.device.index
+    vec = all(aligned(x, True) for x in (q, k, v, grad_out))
+    if dual_config(q.dtype, d_k, d_v, vec) is None or not _wgmma_ok(dev, overrides):
+        return False
+    return overrides.fused_dk_dv is True or value_tile(d_v, b * h, n, _sm_count(dev)) >= d_v
 
 
 def split(n: int, segments: int) -> tuple[int, int]:
