@@ -197,6 +197,7 @@ def test_kernel_strided_inputs_and_nondefault_stream(method, dtype):
     q, k = base[..., :64], base[..., 64:]  # stride(-2) = 128: non-contiguous views, unit last stride
     v = torch.randn(2, 500, 3, 48, device="cuda").to(dtype).transpose(1, 2)  # a bnhd tensor seen as bhnd
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the inputs are made on the default stream
     with torch.cuda.stream(stream):
         out = rtkernels.causal_linear_attention(q, k, v, 0.9, method=method)
     stream.synchronize()
