@@ -1,5 +1,6 @@
 r"""The backward built from the forward: three passes of the ``chunk`` forward (its CUDA kernels on
-fp16, bf16 and fp32 CUDA inputs), no backward kernel of its own.
+fp16, bf16 and fp32 CUDA inputs), the dk and dv passes as one walk where the kernel's DUAL
+instance runs them together; no backward kernel of its own.
 
 Per batch and head, with ``g_i = dL/do_i``, ``G = dL/dS_N`` (the gradient of the returned final
 state; absent when it is not returned or not used), ``S_i = gamma^(i+1) S_0 + sum_{j<=i}
@@ -31,6 +32,11 @@ only (its module docstring has the math); elsewhere the chunked four-term formul
 identity dlog(gamma) = sum_i i q_i . dq_i - sum_j j k_j . dk_j + ... is exact but subtracts two
 large sums of rounded 16-bit gradients: catastrophic cancellation.)
 
+The dk and dv passes read the same reversed sequence and their states are transposes (sum g^T q
+and sum q^T g, same weights), so on Hopper, for 16-bit rows that are 16-byte aligned with Dk, Dv
+<= 128, one walk of R(k, q, g) also writes R(v, g, q) from v as a fourth tile, reading q, k, v
+and g once (:func:`.plan.fuses_dk_dv` decides; ``cuda_src/chunk/fwd16.cu``, DUAL).
+
 The reversed passes cost no copy on the kernel path: :func:`rtkernels.methods.chunk.kernel_forward`
 with ``reverse=True`` hands the kernel the pointers of row N-1 and negated token strides. Where
 the kernel does not run (the CPU, fp64, Dk > 256 or Dv > 512), :func:`forward_pass` runs the torch
@@ -53,7 +59,8 @@ Dv up to ``plan.MAX_VALUE_DIM`` (512) where Dk <= ``plan.MAX_DIM`` (256): the dq
 contract over Dv (their "keys" are v and g); the launch runs a contraction wider than the kernel
 takes as pieces of key columns whose outputs add up (``launch.KeyPiecesLaunch``).
 
-Work: three forward passes, plus O(N Dk Dv) for the G terms, plus for a trainable decay the
+Work: three forward passes (the dk and dv passes' reads shared where they run as one walk), plus
+O(N Dk Dv) for the G terms, plus for a trainable decay the
 dlog(gamma) kernel, O(N C (Dk + Dv) + N Dk Dv) (about one more forward pass; inside the dq pass,
 about half of one). Memory: the three
 gradients (each written in place by its pass), a ``[B, H, Dk, Dv]`` fp32 final state and
