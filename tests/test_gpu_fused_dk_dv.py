@@ -2,7 +2,7 @@
 kernel (``cuda_src/chunk/fwd16.cu``) forced on with ``Overrides(fused_dk_dv=True)``. Gradients
 against autograd through the fp64 reference on odd shapes, both layouts, fp16 and bf16, every
 decay from 1e-6 to 1 (0.9 and 0.99 where a wrong power of gamma shows in fp16), sequences split
-into segments; Inf/NaN reaching the same gradients as the separate passes; no host sync; a CUDA
+into segments, packed sequences; Inf/NaN reaching the same gradients as the separate passes; no host sync; a CUDA
 graph of a training step replaying equal to eager; and where the heuristic takes it."""
 
 from __future__ import annotations
@@ -74,6 +74,37 @@ def test_fused_dk_dv_matches_fp64(case, dtype, stateful, monkeypatch):
     assert seen and all(seen), seen
 
 
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+@pytest.mark.parametrize("dk, dv", ((64, 128), (128, 64)))
+def test_fused_dk_dv_on_packed_sequences(dk, dv, dtype, monkeypatch):
+    """Packed sequences of 65, 0, 1, 130 and 63 tokens (one CTA row per sequence and head, each
+    walk restarting at its sequence's last token): dq, dk, dv, dS_0 and the final states' gradient
+    terms against the fp64 torch path of the same packed call, γ 0.9 and 0.99 among the heads."""
+    force_chunk(monkeypatch, fused_dk_dv=True)
+    seen = _spy(monkeypatch)
+    lens = [65, 0, 1, 130, 63]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+    n, h = sum(lens), 4
+    gen = torch.Generator(device="cuda").manual_seed(dk)
+    q, k = (torch.randn(1, h, n, dk, generator=gen, device="cuda").div_(dk ** 0.5).to(dtype) for _ in range(2))
+    v = torch.randn(1, h, n, dv, generator=gen, device="cuda").to(dtype)
+    s0 = torch.randn(len(lens), h, dk, dv, generator=gen, device="cuda").div_(4)
+    w = torch.randn(1, h, n, dv, generator=gen, device="cuda")
+    ws = torch.randn(len(lens), h, dk, dv, generator=gen, device="cuda")
+    decay = torch.tensor([0.5, 0.9, 0.99, 0.999], device="cuda")
+    grads = []
+    for leaves in ([x.clone().requires_grad_() for x in (q, k, v, s0)],
+                   [x.double().requires_grad_() for x in (q, k, v, s0)]):
+        gamma = decay.double() if leaves[0].dtype == torch.float64 else decay
+        out, state = rtkernels.causal_linear_attention(*leaves[:3], gamma, scale=0.8, initial_state=leaves[3],
+                                                       return_state=True, cu_seqlens=cu)
+        ((out.double() * w.double()).sum() + (state.double() * ws.double()).sum()).backward()
+        grads.append([x.grad for x in leaves])
+    for name, got, want in zip(("dq", "dk", "dv", "ds0"), *grads):
+        assert_close(got, want, dtype, f"packed {name} {dtype} {dk}x{dv}", n=max(lens))
+    assert seen == [True]
+
+
 def test_nonfinite_inputs_reach_what_the_separate_passes_reach(monkeypatch):
     """NaN in q (the fused pass's k tile: the values of dk's product), Inf in v (its x) and NaN in
     dL/do: the gradients are non-finite exactly where the separate dk and dv passes make them so,
@@ -137,17 +168,20 @@ def test_where_the_backward_fuses():
     of 1024 tokens); never for unaligned rows, Dv > 128, fp32, or v and dL/do of different strides."""
     over = plan.Overrides()
 
-    def fuses(b, h, n, dk, dv, dtype=torch.bfloat16, grad_strides=True):
+    def fuses(b, h, n, dk, dv, dtype=torch.bfloat16, grad_strides=True, sequences=0):
         q, k = (torch.empty(b, h, n, dk, device="cuda", dtype=dtype) for _ in range(2))
         v = torch.empty(b, h, n, dv, device="cuda", dtype=dtype)
         g = torch.empty_like(v) if grad_strides else torch.empty(b, n, h, dv, device="cuda", dtype=dtype).transpose(1, 2)
-        return plan.fuses_dk_dv(q, k, v, g, torch.empty_like(k), over)
+        return plan.fuses_dk_dv(q, k, v, g, torch.empty_like(k), over, sequences)
 
     wgmma = plan._wgmma_ok(0, over)
     assert fuses(4, 32, 4096, 128, 128) == wgmma
     assert fuses(1, 32, 16384, 128, 128) == wgmma
     assert fuses(8, 16, 2048, 64, 64) == wgmma
     assert not fuses(2, 32, 1024, 128, 128)
+    # packed sequences (never split): fused where the (sequence, head) rows fill 3/4 of the SMs
+    assert fuses(1, 32, 65536, 128, 128, sequences=16) == wgmma
+    assert not fuses(1, 32, 65536, 128, 128, sequences=2)
     assert not fuses(4, 32, 4096, 36, 128)  # 72-byte rows
     assert not fuses(4, 32, 4096, 128, 200)
     assert not fuses(4, 32, 4096, 128, 128, torch.float32)

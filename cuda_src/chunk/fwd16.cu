@@ -151,6 +151,25 @@ __device__ __forceinline__ void rtk_chunk_pv_wgmma(float (&acc)[NTX][4], const f
   for (int nb = 0; nb < NTX / 8; ++nb) rtk_wg_pin(reinterpret_cast<float (&)[32]>(acc[8 * nb]));
 }
 
+// wgmma, a chunk's scores p in flight as a group followed by LATER more (the first of them the rows
+// against the state copy, acc): pin p as it lands and scale it (scale_scores), then wait for all,
+// pin acc and scale its rows, the low and high row of each fragment by lo and hi.
+template <int LATER, int NX, class Scale>
+__device__ __forceinline__ void rtk_chunk_land(float (&p)[8][4], float (&acc)[NX][4], float lo, float hi,
+                                               Scale scale_scores) {
+  rtk_wg_wait<LATER>();
+  rtk_wg_pin(reinterpret_cast<float (&)[32]>(p));
+  scale_scores(p);
+  rtk_wg_wait<0>();
+  #pragma unroll
+  for (int nb = 0; nb < NX / 8; ++nb) rtk_wg_pin(reinterpret_cast<float (&)[32]>(acc[8 * nb]));
+  #pragma unroll
+  for (int nt = 0; nt < NX; ++nt) {
+    acc[nt][0] *= lo; acc[nt][1] *= lo;
+    acc[nt][2] *= hi; acc[nt][3] *= hi;
+  }
+}
+
 // MINB: CTAs per SM the register budget is sized for (2: 128 registers a thread, for grids of
 // more than one wave; 1: no spills, for grids that give each SM at most one CTA anyway).
 // WG (sm_90a only, KMAX <= 128, BV a multiple of 64): the output warps form one warpgroup that
@@ -317,6 +336,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     for (int chunk = 0; chunk < nchunks; ++chunk) {
       const int stage = chunk % STAGES, slot = chunk & 1;  // tiles; state copy
       if (DT == RTK_F16) s_inv = exp2f((float)-copy_exponent(slot));
+      // wgmma: the factors of the rows against the state copy, gamma^(t+1) * scale (and fp16's 2^-e)
+      const float f_lo = dec.inter0 * s_inv * dec.row_lo, f_hi = dec.inter0 * s_inv * dec.row_hi;
       const rtk_u32 sS_addr = rtk_smem_addr(sm + L::S + (L::NCOPY == 2 ? slot : 0) * L::SCOPY);
       const int n0 = chunk * C;
       const int len = min(C, NS - n0);
@@ -368,19 +389,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
           for (int ks = 0; ks < BV / 16; ++ks) rtk_wgmma_ss<DT, 0>(xv, rtk_desc_at(dx, kmaj(ks)), rtk_desc_at(dvk, kmaj(ks)), ks);
           rtk_wg_commit();
         }
-        rtk_wg_wait<DLOG ? 2 : 1>();
-        rtk_wg_pin(pa);
-        scale_scores(p);
-        rtk_wg_wait<0>();
-        #pragma unroll
-        for (int nb = 0; nb < BV / 64; ++nb) rtk_wg_pin(reinterpret_cast<float (&)[32]>(o_acc[8 * nb]));
-        // q S rows: gamma^(t+1) * scale (and the fp16 copy's 2^-e)
-        const float f_lo = dec.inter0 * s_inv * dec.row_lo, f_hi = dec.inter0 * s_inv * dec.row_hi;
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          o_acc[nt][0] *= f_lo; o_acc[nt][1] *= f_lo;
-          o_acc[nt][2] *= f_hi; o_acc[nt][3] *= f_hi;
-        }
+        rtk_chunk_land<DLOG ? 2 : 1>(p, o_acc, f_lo, f_hi, scale_scores);
         if constexpr (DLOG) {
           rtk_wg_pin(wacc);
           rtk_wg_pin(xv);
@@ -493,18 +502,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
             rtk_wgmma_ss<DT, 0>(reinterpret_cast<float (&)[32]>(o2[8 * nb]), rtk_desc_at(dx, kmaj(ks)),
                                 rtk_desc_at(dst, ((ks >> 2) * (KMAX * 128) + (ks & 3) * 32 + nb * (64 * 128)) >> 4), ks);
         rtk_wg_commit();
-        rtk_wg_wait<1>();
-        rtk_wg_pin(p2a);
-        scale_scores(p2);
-        rtk_wg_wait<0>();
-        #pragma unroll
-        for (int nb = 0; nb < KMAX / 64; ++nb) rtk_wg_pin(reinterpret_cast<float (&)[32]>(o2[8 * nb]));
-        const float f_lo = dec.inter0 * s_inv * dec.row_lo, f_hi = dec.inter0 * s_inv * dec.row_hi;
-        #pragma unroll
-        for (int nt = 0; nt < KMAX / 8; ++nt) {
-          o2[nt][0] *= f_lo; o2[nt][1] *= f_lo;
-          o2[nt][2] *= f_hi; o2[nt][3] *= f_hi;
-        }
+        rtk_chunk_land<1>(p2, o2, f_lo, f_hi, scale_scores);
         bool saw2 = false;
         if (!v_bad) {
           rtk_chunk_pv_wgmma<DT>(o2, p2, sK_addr);

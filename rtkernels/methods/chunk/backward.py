@@ -165,7 +165,7 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
                     grad_state: Optional[torch.Tensor], need_state_grad: bool, dtype: torch.dtype,
                     dlog_partials: Optional[torch.Tensor] = None, dlog_g: Optional[torch.Tensor] = None,
                     forward_states: Optional[tuple[torch.Tensor, tuple]] = None,
-                    fuse_dk_dv: Optional[bool] = False
+                    fuse_dk_dv: Optional[bool] = False, sequences: int = 0
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
                                Optional[torch.Tensor]]:
     """The three passes of the module docstring, each ``run(q, k, v, log_decay, scale, out,
@@ -181,8 +181,9 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
     its states are their transposes (:func:`.launch.transposed_slots`). ``fuse_dk_dv``: whether the
     dk and dv passes run as one walk (``run`` takes ``dual=(v, dk)``): the dv pass R(k, q, g), whose
     state sum q^T g is the dk pass's transposed, also writing R(v, g, q) into dk. None: where
-    :func:`.plan.fuses_dk_dv` holds for these buffers (the chunk kernel runs every pass); True:
-    the caller knows it holds (a planned backward repeating one that fused)."""
+    :func:`.plan.fuses_dk_dv` holds for these buffers (the chunk kernel runs every pass; ``sequences``:
+    the number of packed sequences of ``run``'s passes, 0 for none); True: the caller knows it holds
+    (a planned backward repeating one that fused)."""
     cdt = compute_dtype(q.dtype)
     dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
@@ -192,7 +193,7 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
     else:
         run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, dlog=(q, dlog_partials, dlog_g), **extra)
     if fuse_dk_dv is None:
-        fuse_dk_dv = plan.fuses_dk_dv(q, k, v, grad_out, dk, current_overrides())
+        fuse_dk_dv = plan.fuses_dk_dv(q, k, v, grad_out, dk, current_overrides(), sequences)
     if fuse_dk_dv:
         back = run(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, dual=(v, dk))
     else:

@@ -125,8 +125,8 @@ class ChunkLaunch:
             bh = sequences * h
         if dlog:  # packed sequences: one segment (as packed_launch)
             lp = dlog_launch(q.dtype, dk, dv, bh, n, dev, dataclasses.replace(over, segments=1) if sequences else over)
-        elif dual:
-            lp = dual_launch(q.dtype, dk, dv, bh, n, dev, over)
+        elif dual:  # packed sequences: one segment (as packed_launch)
+            lp = dual_launch(q.dtype, dk, dv, bh, n, dev, dataclasses.replace(over, segments=1) if sequences else over)
         elif sequences:
             lp = packed_launch(q.dtype, dk, dv, vec, bh, max(1, n // sequences), dev, over, exact)
         else:
@@ -341,7 +341,7 @@ def pass_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: 
             _planned.clear()
         launcher = _planned[key] = (
             ChunkLaunch(q, k, v, log_decay, scale, out, need_state, sequences=sequences, dlog=True) if dlog
-            else ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse, dual=True) if dual
+            else ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse, sequences=sequences, dual=True) if dual
             else _launcher(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision, sequences))
     return launcher
 

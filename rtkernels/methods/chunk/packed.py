@@ -18,7 +18,8 @@ the host: a call never syncs and can be captured in a CUDA graph.
   with split segments would.
 - Backward (:func:`packed_backward`): the three passes of :mod:`.backward` with the same offsets
   (dq in token order, dk and dv reversed: the kernel maps sequence s to reversed rows
-  ``[N - cu[s+1], N - cu[s])``), so each pass restarts at every sequence boundary. The terms of the
+  ``[N - cu[s+1], N - cu[s])``), so each pass restarts at every sequence boundary; dk and dv as one
+  walk where :func:`.plan.fuses_dk_dv` holds for S * H CTA rows. The terms of the
   final state's gradient G, ``dk_j += gamma^(e_s - j) v_j G[s]^T`` and ``dv_j += gamma^(e_s - j) k_j
   G[s]`` (e_s the last token of j's sequence), are torch products over blocks of tokens with G
   gathered per token (positions from ``searchsorted`` on the device), and ``dS_0[s] = scale gamma
@@ -75,13 +76,14 @@ def offsets(cu: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                  out: torch.Tensor, initial_state: Optional[torch.Tensor], need_state: bool, reverse: bool,
                  fp32_precision: str, packed: tuple[torch.Tensor, torch.Tensor],
-                 dlog: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None
-                 ) -> Optional[torch.Tensor]:
+                 dlog: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
+                 dual: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
     """One kernel pass over the packed sequences (:func:`.launch.kernel_forward` with ``packed``):
     ``out`` written, the ``[S, H, Dk, Dv]`` fp32 final states returned when ``need_state``; ``dlog``:
-    the dq pass that also sums dlog(gamma), as for that function."""
+    the dq pass that also sums dlog(gamma), ``dual``: the dv pass that also writes dk, as for that
+    function."""
     return launch.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state, fp32_precision,
-                                 reverse=reverse, packed=packed, dlog=dlog)
+                                 reverse=reverse, packed=packed, dlog=dlog, dual=dual)
 
 
 class _PackedCall:
@@ -200,7 +202,8 @@ def packed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
         return forward_pass(*args, fp32_precision, packed, **kw)
 
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
-                                           need_state_grad, q.dtype, partials, g_fp32)
+                                           need_state_grad, q.dtype, partials, g_fp32, fuse_dk_dv=None,
+                                           sequences=packed[0].shape[0] - 1)
     if grad_state is not None:
         cu64 = packed[0]
         g_state = grad_state.to(cdt)

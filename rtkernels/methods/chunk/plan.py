@@ -583,7 +583,7 @@ def dual_launch(dtype: torch.dtype, dk: int, dv: int, bh: int, n: int, dev: int,
 
 
 def fuses_dk_dv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, dk: torch.Tensor,
-                overrides: Overrides) -> bool:
+                overrides: Overrides, sequences: int = 0) -> bool:
     """Whether the backward runs its dk and dv passes as one walk (:func:`dual_launch`) for the
     forward's q, k, v, the output's gradient and the dk buffer (CUDA tensors the chunk kernel
     takes): its instance exists (:func:`dual_config`; every operand row 16-byte aligned, read
@@ -591,7 +591,9 @@ def fuses_dk_dv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: tor
     fourth tile with the third's), dk has q's (its second output is written with the second
     operand's strides), and ``overrides.fused_dk_dv`` allows it: True wherever it can, None where
     the dv pass alone would take one value tile holding all of Dv (:func:`value_tile`), since the
-    fused pass runs one CTA per (batch, head) and segment; False never."""
+    fused pass runs one CTA per (batch, head) and segment; False never. ``sequences`` > 0: a pass
+    over that many packed sequences (S * H CTA rows, never split: :func:`packed_launch`), which
+    the heuristic fuses where those rows fill 3/4 of the SMs."""
     if (overrides.fused_dk_dv is False or not q.is_cuda or v.stride() != grad_out.stride()
             or dk.stride() != q.stride()):
         return False
@@ -601,7 +603,12 @@ def fuses_dk_dv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: tor
     vec = all(aligned(x, True) for x in (q, k, v, grad_out))
     if dual_config(q.dtype, d_k, d_v, vec) is None or not _wgmma_ok(dev, overrides):
         return False
-    return overrides.fused_dk_dv is True or value_tile(d_v, b * h, n, _sm_count(dev)) >= d_v
+    if overrides.fused_dk_dv is True or d_v <= 64:
+        return True
+    sms = _sm_count(dev)
+    if sequences:  # one segment: 128-wide tiles where (sequence, head) rows fill 3/4 of the SMs
+        return 4 * sequences * h >= 3 * sms
+    return value_tile(d_v, b * h, n, sms) >= d_v
 
 
 def split(n: int, segments: int) -> tuple[int, int]:
