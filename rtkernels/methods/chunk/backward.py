@@ -209,8 +209,8 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
 
 class _PlannedBackward(NamedTuple):
     """A backward repeated with new tensors (:func:`kernel_backward`'s plan): the launches of
-    :func:`gradient_passes`' passes (three, or two with dk and dv fused), in its order, and where the dq pass sums dlog(gamma),
-    its partial sums' buffer shape and sum launch (else None)."""
+    :func:`gradient_passes`' passes (three, or two with dk and dv fused), in its order, and where
+    the dq pass sums dlog(gamma), its partial sums' buffer shape and sum launch (else None)."""
 
     passes: tuple[Callable[..., Optional[torch.Tensor]], ...]
     sums: Optional[PartialSums]

@@ -16,9 +16,9 @@ from ...jit import get_function, launch as _launch_kernel
 from ...jit.tensor_map import TensorMaps
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
 from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE, STATES_SOURCE, Launch, _sm_count,
-                   _smem_limit, aligned, current_overrides, dlog_launch, dual_launch, fold_parts, key_pieces, packed_launch,
-                   plan_launch, split, states_config, states_name, states_options, states_smem_bytes, states_tma,
-                   tuned_launch)
+                   _smem_limit, aligned, current_overrides, dlog_launch, dual_launch, fold_parts, key_pieces,
+                   packed_launch, plan_launch, split, states_config, states_name, states_options, states_smem_bytes,
+                   states_tma, tuned_launch)
 
 __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "pass_launcher",
            "launch_pass", "transposed_slots", "call_pieces"]
@@ -341,7 +341,8 @@ def pass_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: 
             _planned.clear()
         launcher = _planned[key] = (
             ChunkLaunch(q, k, v, log_decay, scale, out, need_state, sequences=sequences, dlog=True) if dlog
-            else ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse, sequences=sequences, dual=True) if dual
+            else ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse, sequences=sequences,
+                             dual=True) if dual
             else _launcher(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision, sequences))
     return launcher
 

@@ -161,7 +161,8 @@ def all_configs() -> list[tuple]:
     wg = {kernel_config(dt, dk, 128, vec, 1, 1, True, bv, stages=st) for dt in (torch.float16, torch.bfloat16)
           for dk in (64, 128) for vec in (False, True) for bv in (64, 128) for st in (2, 3)}
     dlog = {dlog_config(torch.bfloat16, dk, True) for dk in (64, 128)}
-    dual = {dual_config(dt, dk, dv, True) for dt in (torch.float16, torch.bfloat16) for dk in (64, 128) for dv in (64, 128)}
+    dual = {dual_config(dt, dk, dv, True) for dt in (torch.float16, torch.bfloat16)
+            for dk in (64, 128) for dv in (64, 128)}
     return sorted(plain | wg | dlog | dual | _f32_configs())
 
 
@@ -198,11 +199,11 @@ def name_expression(config: tuple) -> str:
 
 
 def smem_bytes(kmax: int, bv: int, wg: bool = False, dlog: bool = False, stages: int = 2, dual: bool = False) -> int:
-    """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in the kernel): ``stages``
-    stages of q/k/v tiles, two 16-bit state copies (one for KMAX 256), and with ``wg`` two buffers
-    of output rows (one where two do not fit beside three stages); ``dlog`` (wgmma only): an x tile
-    per stage and two copies of W; ``dual`` (wgmma only): an x tile per stage and one buffer of
-    output rows as wide as the wider output."""
+    """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in
+    ``cuda_src/chunk/layout16.cuh``): ``stages`` stages of q/k/v tiles, two 16-bit state copies (one
+    for KMAX 256), and with ``wg`` two buffers of output rows (one where two do not fit beside three
+    stages); ``dlog`` (wgmma only): an x tile per stage and two copies of W; ``dual`` (wgmma only):
+    an x tile per stage and one buffer of output rows as wide as the wider output."""
     c = CHUNK_KERNEL
     copies = 1 if kmax == 256 else 2
     if wg:  # 128-byte-swizzled tiles without padding, output-row buffers (rows padded by 16
