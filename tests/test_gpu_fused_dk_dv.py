@@ -62,7 +62,8 @@ def test_fused_dk_dv_matches_fp64(case, dtype, stateful, monkeypatch):
         (q, k, v, s0, decay, w, ws), want = _case(shape, dtype, gamma)
         if not stateful:
             want = _want_stateless(shape, dtype, gamma)
-        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, *([s0] if stateful else []), decay.float())]
+        inputs = (q, k, v, *([s0] if stateful else []), decay.float())
+        leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
         res = rtkernels.causal_linear_attention(*leaves[:3], leaves[-1], scale=0.8, method="chunk", layout=layout,
                                                 initial_state=leaves[3] if stateful else None, return_state=stateful)
         out, state = res if stateful else (res, None)
@@ -165,14 +166,20 @@ def test_fused_step_has_no_host_sync_and_replays_in_a_cuda_graph(monkeypatch):
 def test_where_the_backward_fuses():
     """The heuristic takes the fused pass where the dv pass alone would hold all of Dv in one value
     tile (mid and long shapes, Dv <= 64), not where 64-wide tiles give twice the CTAs (2 x 32 heads
-    of 1024 tokens); never for unaligned rows, Dv > 128, fp32, or v and dL/do of different strides."""
+    of 1024 tokens); never for unaligned rows, Dv > 128, fp32, v and dL/do of different strides, or
+    q without a unit last stride."""
     over = plan.Overrides()
 
-    def fuses(b, h, n, dk, dv, dtype=torch.bfloat16, grad_strides=True, sequences=0):
+    def fuses(b, h, n, dk, dv, dtype=torch.bfloat16, grad_strides=True, sequences=0, q_unit=True):
         q, k = (torch.empty(b, h, n, dk, device="cuda", dtype=dtype) for _ in range(2))
+        grad_k = torch.empty_like(k)
+        if not q_unit:  # 16-byte aligned rows whose elements are 8 apart (dk alike): a pass copies such a q
+            q, grad_k = (torch.empty(b, h, n, dk * 8, device="cuda", dtype=dtype)[..., ::8] for _ in range(2))
         v = torch.empty(b, h, n, dv, device="cuda", dtype=dtype)
-        g = torch.empty_like(v) if grad_strides else torch.empty(b, n, h, dv, device="cuda", dtype=dtype).transpose(1, 2)
-        return plan.fuses_dk_dv(q, k, v, g, torch.empty_like(k), over, sequences)
+        g = torch.empty_like(v)
+        if not grad_strides:
+            g = torch.empty(b, n, h, dv, device="cuda", dtype=dtype).transpose(1, 2)
+        return plan.fuses_dk_dv(q, k, v, g, grad_k, over, sequences)
 
     wgmma = plan._wgmma_ok(0, over)
     assert fuses(4, 32, 4096, 128, 128) == wgmma
@@ -186,3 +193,4 @@ def test_where_the_backward_fuses():
     assert not fuses(4, 32, 4096, 128, 200)
     assert not fuses(4, 32, 4096, 128, 128, torch.float32)
     assert not fuses(4, 32, 4096, 128, 128, grad_strides=False)
+    assert not fuses(4, 32, 4096, 128, 128, q_unit=False)

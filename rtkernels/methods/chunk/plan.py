@@ -588,16 +588,16 @@ def fuses_dk_dv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: tor
     """Whether the backward runs its dk and dv passes as one walk (:func:`dual_launch`) for the
     forward's q, k, v, the output's gradient and the dk buffer (CUDA tensors the chunk kernel
     takes): its instance exists (:func:`dual_config`; every operand row 16-byte aligned, read
-    from the last token), wgmma runs, v and dL/do have one set of strides (the kernel reads its
-    fourth tile with the third's), dk has q's (its second output is written with the second
-    operand's strides), and ``overrides.fused_dk_dv`` allows it: True wherever it can, None where
+    from the last token, with a unit last stride), wgmma runs, v and dL/do have one set of
+    strides (the kernel reads its fourth tile with the third's), dk has q's (its second output is
+    written with the second operand's strides), and ``overrides.fused_dk_dv`` allows it: True wherever it can, None where
     the dv pass alone would take one value tile holding all of Dv (:func:`value_tile`), since the
     fused pass runs one CTA per (batch, head) and segment; False never. ``sequences`` > 0: a pass
     over that many packed sequences (S * H CTA rows, never split: :func:`packed_launch`), which
     the heuristic fuses where those rows fill 3/4 of the SMs."""
     if (overrides.fused_dk_dv is False or not q.is_cuda or v.stride() != grad_out.stride()
-            or dk.stride() != q.stride()):
-        return False
+            or dk.stride() != q.stride() or any(x.stride(-1) != 1 for x in (q, k, v, grad_out))):
+        return False  # (a pass copies an operand without a unit last stride: x and dk would not follow)
     b, h, n, d_k = q.shape
     d_v = v.shape[-1]
     dev = q.device.index
