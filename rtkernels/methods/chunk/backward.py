@@ -277,10 +277,10 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     planning = None  # the launches of a call that is being planned
     if planned is not None:
         on_kernel, sums, run = True, planned.sums, planned.replay(log_decay.kernel_arg()[0])
-        fuse = planned.fused_dk_dv
+        fuse_dk_dv = planned.fused_dk_dv
     else:
         on_kernel = kernel_runs(q, k, v, grad_out)
-        fuse = None if on_kernel else False  # None: gradient_passes asks plan.fuses_dk_dv
+        fuse_dk_dv = None if on_kernel else False  # None: gradient_passes asks plan.fuses_dk_dv
         # dlog(gamma) inside the dq pass where it can (decay_grad's docstring), else its own kernel below
         fused = need_decay_grad and on_kernel and dq_pass_sums(q, k, v, grad_out, grad_state)
         sums = PartialSums(q, v, log_decay) if fused else None
@@ -300,7 +300,7 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     g_fp32 = None if sums is None or grad_state is None else grad_state.to(torch.float32).contiguous()
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
                                            need_state_grad, q.dtype if on_kernel else cdt, partials, g_fp32,
-                                           forward_states if on_kernel else None, fuse)
+                                           forward_states if on_kernel else None, fuse_dk_dv)
     if grad_state is not None:
         g_state = grad_state.to(cdt)
         _add_state_term(dk, v, g_state.transpose(-1, -2), lg)
