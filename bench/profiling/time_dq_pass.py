@@ -26,5 +26,5 @@ for name in sys.argv[1:] or ["mid"]:
     plain = med(lambda: launch.kernel_forward(g, v, k, ld, 1.0, dq, None, False))
     with plan.override(bv=64, segments=1):
         bv64 = med(lambda: launch.kernel_forward(g, v, k, ld, 1.0, dq, None, False))
-    fused = med(lambda: launch.kernel_forward(g, v, k, ld, 1.0, dq, None, False, dlog=(q, part)))
+    fused = med(lambda: launch.kernel_forward(g, v, k, ld, 1.0, dq, None, False, dlog=(q, part, None)))
     print(f"{name} {(b, h, n, d)}: plain {plain:.3f} ms, plain BV 64 one segment {bv64:.3f}, with dlog {fused:.3f}")

@@ -27,7 +27,9 @@ trainable decay, is summed by the dq pass itself where that pass runs the wgmma 
 sequence), else it is one more kernel where the passes run the chunk kernel:
 :func:`rtkernels.methods.chunk.decay_grad.kernel_log_decay_grad` (``cuda_src/chunk/decay_grad.cu``), which carries
 W = dS/dlog(gamma) forward with the state, chunk by chunk, and sums non-negative-weight terms
-only (its module docstring has the math); elsewhere the chunked four-term formula of
+only (its module docstring has the math). float32 in the "tf32" mode takes the same kernel on
+fp16 copies scaled by powers of two (:func:`~rtkernels.methods.chunk.decay_grad.kernel_log_decay_grad_tf32`:
+fp16 has TF32's significand); elsewhere (float32 "exact") the chunked four-term formula of
 :func:`rtkernels.autograd.log_decay_grad` in torch operations, shared with the torch backward. (The
 identity dlog(gamma) = sum_i i q_i . dq_i - sum_j j k_j . dk_j + ... is exact but subtracts two
 large sums of rounded 16-bit gradients: catastrophic cancellation.)
@@ -84,7 +86,7 @@ from ...jit.dtypes import compute_dtype
 from .._torch_common import decay_powers, run_torch_path
 from . import launch, plan
 from .plan import current_overrides
-from .decay_grad import PartialSums, dq_pass_sums, kernel_log_decay_grad
+from .decay_grad import PartialSums, dq_pass_sums, kernel_log_decay_grad, kernel_log_decay_grad_tf32
 from .torch_path import torch_forward
 
 __all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "gradient_passes", "kernel_backward", "clear_plans", "supports",
@@ -259,7 +261,7 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
                     ) -> Grads:
     """A :data:`~rtkernels.autograd.BackwardImpl`: the three forward passes of the module
     docstring (float32: the kernel in ``fp32_precision``'s mode), the G terms and dlog(gamma) (its
-    kernel where the passes run the 16-bit chunk kernel, else
+    kernel where the passes run the 16-bit chunk kernel or the float32 one in "tf32" mode, else
     :func:`~rtkernels.autograd.log_decay_grad`). dq, dk, dv in the input dtype where the kernel
     runs, else in the compute dtype; dS_0 and dlog(gamma) in the compute dtype.
 
@@ -311,9 +313,11 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     if sums is not None:
         d_log, of_source = sums.total(partials, log_decay.kernel_arg()[0]), True
     elif need_decay_grad:
-        if on_kernel and q.dtype != torch.float32:  # the sum kernel applies the decay's chain rule too
-            d_log, of_source = kernel_log_decay_grad(q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
-                                                     for_source=True), True
+        if on_kernel and (q.dtype != torch.float32 or fp32_precision == "tf32"):
+            # its sum kernel applies the decay's chain rule too; float32 ("tf32" mode) on fp16 copies
+            by_kernel = kernel_log_decay_grad if q.dtype != torch.float32 else kernel_log_decay_grad_tf32
+            d_log, of_source = by_kernel(q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
+                                         for_source=True), True
         else:
             d_log = log_decay_grad(q, k, v, log_decay, scale, initial_state, grad_out, grad_state)
     if planning is not None:

@@ -71,7 +71,7 @@ from .._launch import fwd_tail, unit_stride
 from .plan import _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config, dlog_launch
 
 __all__ = ["SOURCE", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "all_configs", "name_expression", "smem_bytes",
-           "kernel_log_decay_grad", "dq_pass_sums", "dq_pass_partials", "sum_partials", "PartialSums",
+           "kernel_log_decay_grad", "kernel_log_decay_grad_tf32", "TF32_OPERAND_MAX_LOG2", "dq_pass_sums", "dq_pass_partials", "sum_partials", "PartialSums",
            "torch_w_recurrence"]
 
 SOURCE = "chunk/decay_grad.cu"
@@ -146,6 +146,43 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
             *fwd_tail(q, k, v, grad_out, float(scale), mode))
     launch(fn, (b * h, tiles, 1), (256, 1, 1), args, dev, shared_mem=smem, pointers=8)  # then rtk_fwd_shape
     return sum_partials(partial, log_decay, for_source)
+
+
+#: The largest magnitude :func:`kernel_log_decay_grad_tf32` scales each operand to (a power of two):
+#: low enough that the kernel's fp32 sums of four such factors cannot overflow for N up to 2^20
+#: (2^(4*8) per product, times D^2 and N^3 / 6 of the weights), far above fp16's subnormals.
+TF32_OPERAND_MAX_LOG2 = 8
+
+
+def _half_copy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` times a power of two 2^e as float16, and 2^e (a float64 device scalar, no host sync): e
+    puts max|x| at 2^:data:`TF32_OPERAND_MAX_LOG2` (at most 2^126, a finite float32 factor: an
+    operand below 2^-118 keeps a smaller scale); 1 where x is all zero or holds Inf/NaN (which the
+    copy then keeps, so dlog(gamma) comes out non-finite)."""
+    amax = x.detach().abs().amax().float()
+    ok = torch.isfinite(amax) & (amax > 0)
+    exponent = torch.where(ok, TF32_OPERAND_MAX_LOG2 - torch.ceil(torch.log2(torch.where(ok, amax, 1.0))), 0.0)
+    factor = torch.exp2(exponent.clamp(max=126.0))
+    return (x.detach() * factor).to(torch.float16), factor.double()
+
+
+def kernel_log_decay_grad_tf32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay,
+                               scale: float, initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
+                               grad_state: Optional[torch.Tensor], *, for_source: bool = False) -> torch.Tensor:
+    """dL/dlog(gamma) of float32 operands to TF32 accuracy: :func:`kernel_log_decay_grad` on float16
+    copies of q, k, v and ``grad_out``, each scaled by its own power of two (:func:`_half_copy`).
+    fp16 carries TF32's 10-bit significand, so the operands lose what the float32 kernel's
+    "tf32" mode loses; the kernel accumulates in fp32. The sum is linear in each of q, k, v and
+    dL/do (the initial state counting as k v, the final state's gradient as q dL/do, and scaled
+    to match), so it is divided by the four factors at the end (in float64: their product may
+    pass float32's range). Arguments and result as :func:`kernel_log_decay_grad`'s, the views in
+    float32. Costs four half-size copies and one walk of the kernel, where the torch computation
+    makes several passes over [B, H, N / 64, Dk, Dv] tensors."""
+    (q16, fq), (k16, fk), (v16, fv), (g16, fg) = (_half_copy(x) for x in (q, k, v, grad_out))
+    s0 = None if initial_state is None else (initial_state.double() * (fk * fv)).float()
+    gs = None if grad_state is None else (grad_state.double() * (fq * fg)).float()
+    out = kernel_log_decay_grad(q16, k16, v16, log_decay, scale, s0, g16, gs, for_source=for_source)
+    return (out.double() / (fq * fk * fv * fg)).float()
 
 
 def _sum_launch(shape: tuple[int, int, int], log_decay: LogDecay, for_source: bool
