@@ -52,9 +52,10 @@ def _inputs(n: int, dk: int, dv: int, dtype: torch.dtype, positive: bool, seed: 
     return q, k, v, grad, s0, g_state
 
 
-def _want(q, k, v, grad, s0, g_state) -> torch.Tensor:
-    """dL/dlog(gamma) by autograd through the fp64 reference (L = sum(grad * out) + sum(G * state))."""
-    lg = torch.log(torch.tensor(GAMMAS, dtype=F64, device="cuda")).requires_grad_(True)
+def _want(q, k, v, grad, s0, g_state, gammas=GAMMAS) -> torch.Tensor:
+    """dL/dlog(gamma) by autograd through the fp64 reference (L = sum(grad * out) + sum(G * state)),
+    one head per gamma of ``gammas``."""
+    lg = torch.log(torch.tensor(gammas, dtype=F64, device="cuda")).requires_grad_(True)
     out, state = reference(q, k, v, torch.exp(lg), SCALE, initial_state=s0)
     loss = (out * grad.double()).sum() + ((state * g_state.double()).sum() if g_state is not None else 0)
     return torch.autograd.grad(loss, lg)[0]

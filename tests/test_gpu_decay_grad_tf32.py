@@ -13,11 +13,10 @@ import torch
 
 import rtkernels
 import rtkernels.methods.chunk.backward as kb
-from graphs import capture
-from inputs import no_host_sync
-from reference import reference
+from graphs import assert_replays_like_eager
 from rtkernels.decay import LogDecay
 from rtkernels.methods.chunk import decay_grad
+from test_gpu_decay_grad import _want as _want_of
 from tolerances import REL_FRO
 
 pytestmark = pytest.mark.gpu
@@ -45,14 +44,6 @@ def _inputs(n: int, dk: int, dv: int, positive: bool, seed: int, b: int = 2, mag
     return tuple(x.to("cuda", F32) for x in (q, k, v, grad, s0, g_state))
 
 
-def _want(q, k, v, grad, s0, g_state) -> torch.Tensor:
-    """dL/dlog(gamma) by autograd through the fp64 reference (L = sum(grad * out) + sum(G * state))."""
-    lg = torch.log(torch.tensor(GAMMAS, dtype=F64, device="cuda")).requires_grad_(True)
-    out, state = reference(q, k, v, torch.exp(lg), SCALE, initial_state=s0)
-    loss = (out * grad.double()).sum() + ((state * g_state.double()).sum() if g_state is not None else 0)
-    return torch.autograd.grad(loss, lg)[0]
-
-
 def _got(q, k, v, grad, s0, g_state) -> torch.Tensor:
     ld = LogDecay(torch.device("cuda"), host=tuple(math.log(x) for x in GAMMAS))
     out = decay_grad.kernel_log_decay_grad_tf32(q, k, v, ld, SCALE, s0, grad, g_state)
@@ -74,7 +65,7 @@ def test_matches_fp64(n, sizes):
     dk, dv = sizes
     for positive in (True, False):
         x = _inputs(n, dk, dv, positive, 100 * n + dk)
-        got, want = _got(*x), _want(*x)
+        got, want = _got(*x), _want_of(*x, gammas=GAMMAS)
         bound = TOL * want.abs() + (0 if positive else 1e-4 * _magnitude(*x))
         assert torch.isfinite(got).all() and ((got - want).abs() <= bound).all(), \
             f"n={n} {sizes} positive={positive}: got {got.tolist()}, want {want.tolist()}"
@@ -86,7 +77,7 @@ def test_operands_outside_fp16_range(mags):
     """Operands whose plain fp16 copies would overflow (|x| > 65504) or fall into fp16's
     subnormals: each copy has its own power of two, undone at the end, states scaled to match."""
     x = _inputs(300, 64, 48, True, 11, mags=mags)
-    got, want = _got(*x), _want(*x)
+    got, want = _got(*x), _want_of(*x, gammas=GAMMAS)
     assert torch.isfinite(got).all() and ((got - want).abs() <= TOL * want.abs()).all(), (got.tolist(), want.tolist())
 
 
@@ -95,7 +86,7 @@ def test_nan_makes_its_head_nan(which):
     """A NaN in q, k, v or dL/do of head 1 makes its dlog(gamma) NaN; the other heads stay finite and
     accurate (the copy keeps its unscaled values then)."""
     x = list(_inputs(150, 32, 64, True, 3))
-    want = _want(*x)
+    want = _want_of(*x, gammas=GAMMAS)
     i = ("q", "k", "v", "grad").index(which)
     x[i] = x[i].clone()
     x[i][1, 1, 149 if which in ("k", "v") else 70, 5] = float("nan")
@@ -126,7 +117,7 @@ def test_backward_takes_it_in_tf32_mode_only(monkeypatch, mode):
                                                    return_state=True, fp32_precision=mode)
     ((out * grad).sum() + (state * g_state).sum()).backward()
     assert calls == ["tf32" if mode == "tf32" else "torch"]
-    want = _want(q, k, v, grad, s0, g_state) / factors.detach().double()
+    want = _want_of(q, k, v, grad, s0, g_state, gammas=GAMMAS) / factors.detach().double()
     tol = TOL if mode == "tf32" else REL_FRO[F32]
     assert ((factors.grad.double() - want).abs() <= tol * want.abs()).all(), (factors.grad, want)
 
@@ -142,17 +133,10 @@ def test_training_step_has_no_host_sync_and_replays_in_a_cuda_graph():
         out = rtkernels.causal_linear_attention(*leaves, factors, scale=SCALE, method="chunk", fp32_precision="tf32")
         return torch.autograd.grad((out * grad).sum(), (*leaves, factors))
 
-    step()
-    with no_host_sync():
-        step()
-    graph, captured = capture(step)
-    with torch.no_grad():
+    def change():
         for x in leaves:
             x.mul_(0.5)
         factors.copy_(torch.tensor([0.3, 0.6, 0.95, 0.999, 0.9999, 1.0]))
-    graph.replay()
-    eager = step()
-    torch.cuda.synchronize()
+
+    eager = assert_replays_like_eager(step, change)
     assert torch.isfinite(eager[3]).all()
-    for a, b in zip(captured, eager):
-        assert torch.equal(a, b)
