@@ -6,6 +6,8 @@ from typing import Callable, TypeVar
 
 import torch
 
+from inputs import no_host_sync
+
 T = TypeVar("T")
 
 
@@ -28,8 +30,6 @@ def assert_replays_like_eager(step: Callable[[], tuple], change: Callable[[], No
     """A step that must be free of host syncs and capturable: run it once (planning), once more with
     no host sync allowed, capture it, apply ``change()`` (new input values, in place), replay, and
     assert that the captured tensors equal a fresh eager step's bit for bit. Returns the eager ones."""
-    from inputs import no_host_sync
-
     step()
     with no_host_sync():
         step()

@@ -70,9 +70,9 @@ from ...jit import dtype_code, get_function, launch
 from .._launch import fwd_tail, unit_stride
 from .plan import _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config, dlog_launch
 
-__all__ = ["SOURCE", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "all_configs", "name_expression", "smem_bytes",
-           "kernel_log_decay_grad", "kernel_log_decay_grad_tf32", "TF32_OPERAND_MAX_LOG2", "dq_pass_sums", "dq_pass_partials", "sum_partials", "PartialSums",
-           "torch_w_recurrence"]
+__all__ = ["SOURCE", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "all_configs", "name_expression",
+           "smem_bytes", "kernel_log_decay_grad", "kernel_log_decay_grad_tf32", "TF32_OPERAND_MAX_LOG2",
+           "dq_pass_sums", "dq_pass_partials", "sum_partials", "PartialSums", "torch_w_recurrence"]
 
 SOURCE = "chunk/decay_grad.cu"
 #: The kernel that sums the partial sums per head (and applies the decay's chain rule).
@@ -159,11 +159,14 @@ def _half_copy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     puts max|x| at 2^:data:`TF32_OPERAND_MAX_LOG2` (at most 2^126, a finite float32 factor: an
     operand below 2^-118 keeps a smaller scale); 1 where x is all zero or holds Inf/NaN (which the
     copy then keeps, so dlog(gamma) comes out non-finite)."""
-    amax = x.detach().abs().amax().float()
+    x = x.detach()
+    lo, hi = torch.aminmax(x)  # one reduction, no |x| temporary; NaN propagates
+    amax = torch.maximum(hi, -lo).float()
     ok = torch.isfinite(amax) & (amax > 0)
     exponent = torch.where(ok, TF32_OPERAND_MAX_LOG2 - torch.ceil(torch.log2(torch.where(ok, amax, 1.0))), 0.0)
     factor = torch.exp2(exponent.clamp(max=126.0))
-    return (x.detach() * factor).to(torch.float16), factor.double()
+    # scaled in fp32 and stored as fp16 in one pass (no fp32 temporary of x's size)
+    return torch.mul(x, factor, out=torch.empty_like(x, dtype=torch.float16)), factor.double()
 
 
 def kernel_log_decay_grad_tf32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay,
