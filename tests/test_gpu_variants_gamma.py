@@ -294,8 +294,8 @@ def _backward_mutants(variant: Variant, n: int, gamma: float, kind, device="cuda
 
 def _dlog_claims(kind, gamma: float) -> bool:
     """Where a wrong carry of the dlog(gamma) recurrences is claimed (``kind``: the dtype, or "tf32"
-    for float32 in that mode): fp16 at 0.99 (the kernel), "tf32" likewise (the kernel on fp16
-    copies), fp32 "exact" at 0.9 and 0.99 (the torch formula). It changes the gradient by about
+    for float32 in that mode): fp16 at 0.99 (the 16-bit kernel), "tf32" likewise (the float32 kernel
+    with one TF32 product), fp32 "exact" at 0.9 and 0.99 (the float32 kernel, 3xTF32). It changes the gradient by about
     (1 - gamma) times the weight of pairs two chunks apart: 1e-5 relative at 0.9, below bf16's and
     fp16's rounding."""
     return (kind == F32 and gamma in CAUGHT) or (kind in (F16, "tf32") and gamma == 0.99)
@@ -365,9 +365,9 @@ def test_backward_catches_wrong_powers(name, dtype, shape, record_property):
 
 @pytest.mark.parametrize("shape", BWD_SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("tile", ("bv64", "bv32"))
-@pytest.mark.parametrize("dtype", (F16, BF16), ids=str)
+@pytest.mark.parametrize("dtype", (F32, F16, BF16), ids=str)
 def test_decay_gradient_kernel_tiles(dtype, tile, shape, monkeypatch, record_property):
-    """The dlog(gamma) kernel at both value-tile widths (it takes 32-wide tiles when 64-wide ones
+    """The dlog(gamma) kernels (float32 in the "exact" mode, 16-bit) at both value-tile widths (it takes 32-wide tiles when 64-wide ones
     would leave SMs idle: forced here by the SM count it sees), against the fp64 dL/dlog(gamma),
     with a wrong carry of its S and W recurrences (gamma^(C+1)) shown to be caught."""
     b, h, n, dk, dv, layout = shape

@@ -66,6 +66,7 @@
 #include "../include/mma_sm80.cuh"
 #include "../include/params.cuh"
 #include "../include/state_frag.cuh"
+#include "dlog.cuh"
 
 // Shared memory: two stages of q, k (64 x KMAX) and v, do (64 x BV), rows padded by 16 bytes
 // (conflict-free ldmatrix).
@@ -79,33 +80,11 @@ struct rtk_dg_smem {
   static constexpr int BYTES = ELEMS * 2;
 };
 
-// How the 8 warps tile the KMAX x BV state: RW warps along the rows (16 rows at least each), CW
-// along the columns; each warp holds MT x NT fragments of 16 x 8.
-template <int KMAX, int BV>
-struct rtk_dg_split {
-  static constexpr int RW = KMAX >= 128 ? 8 : KMAX / 16, CW = 8 / RW;
-  static constexpr int ROWS = KMAX / RW, COLS = BV / CW;
-  static constexpr int MT = ROWS / 16, NT = COLS / 8;
-  static_assert(RW * CW == 8 && ROWS % 16 == 0 && COLS % 16 == 0, "bad tile");
-};
-
 // x * w for a packed pair x and a token-pair weight w given as packed 16-bit parts (hi, lo), w =
 // hi + lo: x * lo first, then x * hi + that in one fma, so the pair is rounded once to 16 bits up
 // to |x lo| 2^-8 <= |x w| 2^-16 (two instructions where an fp32 multiply takes five).
 template <int DT> __device__ __forceinline__ rtk_u32 rtk_dg_weigh(rtk_u32 x, uint2 w) {
   return rtk_fma2<DT>(x, w.x, rtk_mul2<DT>(x, w.y));
-}
-
-// The fp32 weight of token t (0..63) in a chunk of len tokens, per table row (see wtab below):
-// normalised to at most 1 (n1 = max_{1<=m<=64} m gamma^m, as log2n1).
-__device__ __forceinline__ float rtk_dg_weight(int row, int t, int len, float lg2, float log2n1) {
-  switch (row) {
-    case 0: return t < len ? (float)(t + 1) * rtk_exp2(lg2 * (float)(t + 1) - log2n1) : 0.f;  // A1'
-    case 1: return t < len ? rtk_exp2(lg2 * (float)t) : 0.f;  // A2'
-    // D2': s = L-1 (weight 0) by a select, gamma^0 / n1 may overflow
-    case 2: return t < len - 1 ? (float)(len - 1 - t) * rtk_exp2(lg2 * (float)(len - 1 - t) - log2n1) : 0.f;
-    default: return t < len ? rtk_exp2(lg2 * (float)(len - 1 - t)) : 0.f;  // D1
-  }
 }
 
 // acc (+)= (x * wa)^T y over the first 16 ksteps tokens of a chunk: x = q or k (tile at shared
@@ -159,35 +138,6 @@ __device__ __forceinline__ void rtk_dg_product(float (&acc_a)[MT][NA][4], const 
       }
     }
   }
-}
-
-template <int MT, int NT> __device__ __forceinline__ void rtk_dg_zero(float (&x)[MT][NT][4]) {
-  #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-    #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) x[mt][nt][e] = 0.f;
-}
-
-// <x[:, n0 .. n0 + NG - 1], y> over fragments (fp32): y holds the NG n-tiles of x from n0 on (n0
-// a constant after unrolling, so x stays in registers).
-template <int MT, int NT, int NG>
-__device__ __forceinline__ float rtk_dg_dot(const float (&x)[MT][NT][4], const float (&y)[MT][NG][4], int n0) {
-  float s = 0.f;
-  #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-    #pragma unroll
-    for (int nt = 0; nt < NG; ++nt)
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) s = fmaf(x[mt][n0 + nt][e], y[mt][nt][e], s);
-  return s;
-}
-
-// Tile i (0..9) of the causal block: rows 16 r.., columns 16 c.., c <= r.
-__device__ __forceinline__ void rtk_dg_tile(int i, int& r, int& c) {
-  r = i < 1 ? 0 : i < 3 ? 1 : i < 6 ? 2 : 3;
-  c = i - r * (r + 1) / 2;
 }
 
 // Parameters: q, k, v, do ([B, H, N, D] views, unit last stride), the decay argument, the initial
@@ -292,24 +242,13 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
     w_acc[mt][nt][e] = 0.f;
   });
 
-  // n1 = max_{1<=m<=64} m gamma^m as log2: the normaliser of the (t+1)- and (L-1-s)-weights
-  float log2n1 = lg2;
-  #pragma unroll 1
-  for (int m = 2; m <= C; ++m) log2n1 = fmaxf(log2n1, log2f((float)m) + lg2 * (float)m);
-
   // The token weights, computed once: wtab[0] for full chunks, wtab[1] for a shorter last one;
   // rows A1' (t+1) gamma^(t+1) / n1, A2' gamma^t, D2' (L-1-s) gamma^(L-1-s) / n1 and D1
-  // gamma^(L-1-s) (rtk_dg_weight), as 16-bit pairs (rtk_dg_weigh); dtab[d] = d gamma^d, the
-  // intra weights. The chunk loop's first barrier publishes them.
+  // gamma^(L-1-s) (rtk_dg_weight), as 16-bit pairs (rtk_dg_weigh); the constants of
+  // rtk_dg_constants. The chunk loop's first barrier publishes them.
   __shared__ __align__(16) rtk_u32 wtab[2][4][C];
-  __shared__ float dtab[C];
-  // gamma^C and gamma^(last chunk's length) in fp64 (their rounding compounds over the chunks;
-  // lg2's rounding moves them by at most |L log gamma| * 6e-8, relative), n1, gamma: read from
-  // shared memory, they keep no register through the chunk loop
-  __shared__ float wconst[4];
-  if (tid < 2) wconst[tid] = (float)exp2((double)lg2 * (double)(tid == 0 ? C : N - (nchunks - 1) * C));
-  if (tid == 2) wconst[2] = rtk_exp2(log2n1);
-  if (tid == 3) wconst[3] = rtk_exp2(lg2);
+  __shared__ float dtab[C], wconst[4];
+  const float log2n1 = rtk_dg_constants(tid, lg2, N, nchunks, wconst, dtab);
   if (tid < 2 * C) {
     const int j = tid % C, t = j & ~1, len = tid < C ? C : N - (nchunks - 1) * C;
     #pragma unroll 1
@@ -320,7 +259,6 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
       rtk_unpack2<DT>(hi, h0, h1);
       wtab[tid / C][row][j] = (j & 1) ? rtk_pack2<DT>(w0 - h0, w1 - h1) : hi;
     }
-    if (tid < C) dtab[j] = (float)j * rtk_exp2(lg2 * (float)j);
   }
 
   float acc1 = 0.f, acc2 = 0.f, acci = 0.f;  // sum <S, A1'>, sum <W, A2'>, the intra term
@@ -422,22 +360,6 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
     }
   }
 
-  // ---- <G, W_end>, the scale and the normalisers, the CTA's sum ------------------------------------
-  float accg = 0.f;
-  if (grad_state != nullptr) {
-    frag.elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {
-      if (real) accg = fmaf(grad_state[off], w_acc[mt][nt][e], accg);
-    });
-  }
-  float val = fmaf(scale, fmaf(wconst[2], acc1, fmaf(wconst[3], acc2, acci)), accg);
-  #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) val += __shfl_xor_sync(0xffffffffu, val, off);
-  if (lane == 0) red[warp] = val;
-  __syncthreads();
-  if (tid == 0) {
-    float s = 0.f;
-    #pragma unroll
-    for (int w = 0; w < 8; ++w) s += red[w];
-    partial[((rtk_i64)b * gridDim.y + blockIdx.y) * H + h] = s;
-  }
+  rtk_dg_finish(frag, w_acc, grad_state, scale, wconst, acc1, acc2, acci, red,
+                partial + ((rtk_i64)b * gridDim.y + blockIdx.y) * H + h);
 }

@@ -63,4 +63,5 @@ def instances() -> dict[str, list[str]]:
     (:func:`.plan.instances`) and the backward's dlog(gamma) kernel (the CI compile test)."""
     return {**_fwd_instances(),
             decay_grad.SOURCE: [decay_grad.name_expression(c) for c in decay_grad.all_configs()],
+            decay_grad.SOURCE_F32: [decay_grad.name_expression_f32(c) for c in decay_grad.all_configs_f32()],
             decay_grad.SUM_SOURCE: [decay_grad.SUM_KERNEL]}

@@ -86,7 +86,7 @@ from ...jit.dtypes import compute_dtype
 from .._torch_common import decay_powers, run_torch_path
 from . import launch, plan
 from .plan import current_overrides
-from .decay_grad import PartialSums, dq_pass_sums, kernel_log_decay_grad, kernel_log_decay_grad_tf32
+from .decay_grad import PartialSums, dq_pass_sums, kernel_log_decay_grad
 from .torch_path import torch_forward
 
 __all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "gradient_passes", "kernel_backward", "clear_plans", "supports",
@@ -313,11 +313,9 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     if sums is not None:
         d_log, of_source = sums.total(partials, log_decay.kernel_arg()[0]), True
     elif need_decay_grad:
-        if on_kernel and (q.dtype != torch.float32 or fp32_precision == "tf32"):
-            # its sum kernel applies the decay's chain rule too; float32 ("tf32" mode) on fp16 copies
-            by_kernel = kernel_log_decay_grad if q.dtype != torch.float32 else kernel_log_decay_grad_tf32
-            d_log, of_source = by_kernel(q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
-                                         for_source=True), True
+        if on_kernel:  # its sum kernel applies the decay's chain rule too
+            d_log, of_source = kernel_log_decay_grad(q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
+                                                     for_source=True, fp32_precision=fp32_precision), True
         else:
             d_log = log_decay_grad(q, k, v, log_decay, scale, initial_state, grad_out, grad_state)
     if planning is not None:

@@ -70,11 +70,14 @@ from ...jit import dtype_code, get_function, launch
 from .._launch import fwd_tail, unit_stride
 from .plan import _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config, dlog_launch
 
-__all__ = ["SOURCE", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "all_configs", "name_expression",
-           "smem_bytes", "kernel_log_decay_grad", "kernel_log_decay_grad_tf32", "TF32_OPERAND_MAX_LOG2",
+__all__ = ["SOURCE", "SOURCE_F32", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "kernel_config_f32",
+           "all_configs", "all_configs_f32", "name_expression", "name_expression_f32", "smem_bytes", "smem_bytes_f32",
+           "kernel_log_decay_grad", "kernel_log_decay_grad_tf32",
            "dq_pass_sums", "dq_pass_partials", "sum_partials", "PartialSums", "torch_w_recurrence"]
 
 SOURCE = "chunk/decay_grad.cu"
+#: The float32 kernel (TF32 tensor cores; 3xTF32 in the "exact" mode).
+SOURCE_F32 = "chunk/decay_grad_f32.cu"
 #: The kernel that sums the partial sums per head (and applies the decay's chain rule).
 SUM_SOURCE, SUM_KERNEL = "chunk/decay_grad_sum.cu", "rtk_chunk_decay_grad_sum"
 #: Tokens per chunk (the kernel's and :func:`torch_w_recurrence`'s).
@@ -111,20 +114,57 @@ def smem_bytes(kmax: int, bv: int) -> int:
     return 2 * 2 * CHUNK * (2 * (kmax + 8) + 2 * (bv + 8))
 
 
+def kernel_config_f32(dk: int, dv: int, vec: bool, exact: bool, few_ctas: bool = False
+                      ) -> tuple[int, int, int, bool, bool]:
+    """Template arguments (KMAX, BV, STAGES, EXACT, VEC) of ``rtk_chunk_decay_grad_f32``: KMAX as
+    :func:`kernel_config`'s; BV 64 at KMAX 128 for Dv > 32 unless ``few_ctas`` (64-wide tiles would
+    leave more than half the multiprocessors idle), else 32; two stages of fp32 tiles, one at KMAX
+    256 (shared memory); EXACT: 3xTF32 (the "exact" mode). H100, fp32 "exact", D = 128, µs of
+    the 32-wide two-stage / one-stage (two CTAs a multiprocessor) / 64-wide tiles: 420 / 351 / 300
+    at (2, 32, 1024), 3242 / 2669 / 2310 at (4, 32, 4096), 3187 / 3436 / 4554 at (1, 32, 16384)."""
+    kmax = 64 if dk <= 64 else 128 if dk <= 128 else 256
+    bv = 64 if kmax == 128 and dv > 32 and not few_ctas else 32
+    return kmax, bv, 2 if kmax <= 128 else 1, exact, vec
+
+
+def all_configs_f32() -> list[tuple[int, int, int, bool, bool]]:
+    """Every instance :func:`kernel_config_f32` can ask for."""
+    return sorted({kernel_config_f32(dk, dv, vec, exact, few) for dk in (64, 128, 256) for dv in (32, 64)
+                   for vec in (False, True) for exact in (False, True) for few in (False, True)})
+
+
+def name_expression_f32(config: tuple) -> str:
+    return "rtk_chunk_decay_grad_f32<" + ", ".join(str(c).lower() for c in config) + ">"
+
+
+def smem_bytes_f32(kmax: int, bv: int, stages: int) -> int:
+    """Dynamic shared memory of the float32 kernel (mirrors rtk_dgf_smem): ``stages`` stages of q, k
+    (64 x KMAX) and v, do (64 x BV) in fp32, rows unpadded."""
+    return stages * 4 * CHUNK * (2 * kmax + 2 * bv)
+
+
 @functools.lru_cache(maxsize=256)
-def _plan(dtype: torch.dtype, dk: int, dv: int, vec: bool, few_ctas: bool = False) -> tuple[str, int, int]:
-    """(name expression, BV, dynamic shared memory)."""
+def _plan(dtype: torch.dtype, dk: int, dv: int, vec: bool, few_ctas: bool = False, exact: bool = True
+          ) -> tuple[str, str, int, int]:
+    """(source, name expression, BV, dynamic shared memory)."""
+    if dtype == torch.float32:
+        kmax, bv, stages, *_ = config = kernel_config_f32(dk, dv, vec, exact, few_ctas)
+        return SOURCE_F32, name_expression_f32(config), bv, smem_bytes_f32(kmax, bv, stages)
     config = kernel_config(dtype, dk, dv, vec, few_ctas)
-    return name_expression(config), config[2], smem_bytes(config[1], config[2])
+    return SOURCE, name_expression(config), config[2], smem_bytes(config[1], config[2])
 
 
 def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                           initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
-                          grad_state: Optional[torch.Tensor], *, for_source: bool = False) -> torch.Tensor:
+                          grad_state: Optional[torch.Tensor], *, for_source: bool = False,
+                          fp32_precision: str = "exact") -> torch.Tensor:
     """dL/dlog(gamma), ``[H]`` float32, by the kernel (arguments as a
-    :data:`~rtkernels.autograd.BackwardImpl`'s: ``[B, H, N, D]`` views of one 16-bit dtype on one
-    CUDA device, Dk <= 256 and Dv <= 512 (value tiles of BV columns), any strides; ``grad_out`` = dL/do). Views without a unit last
-    stride are copied; the initial state and ``grad_state`` are used as fp32 contiguous copies.
+    :data:`~rtkernels.autograd.BackwardImpl`'s: ``[B, H, N, D]`` views of one dtype on one CUDA
+    device, Dk <= 256 and Dv <= 512 (value tiles of BV columns), any strides; ``grad_out`` = dL/do).
+    Views without a unit last stride are copied; the initial state and ``grad_state`` are used as
+    fp32 contiguous copies. 16-bit views run ``rtk_chunk_decay_grad``; float32 views
+    ``rtk_chunk_decay_grad_f32`` in ``fp32_precision``'s mode ("exact": 3xTF32, about fp32
+    accuracy; "tf32": one TF32 product, about 1e-3).
 
     Two launches: the partial sums, then ``rtk_chunk_decay_grad_sum`` (``chunk/decay_grad_sum.cu``),
     which adds them per head in a fixed order in fp64; with ``for_source`` and a CUDA decay tensor
@@ -135,8 +175,10 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     q, k, v, grad_out = unit_stride(q, k, v, grad_out)
     vec = all(aligned(x) for x in (q, k, v, grad_out))
     dev = q.device.index
-    name, bv, smem = _plan(q.dtype, dk, dv, vec, b * h * -(-dv // 64) <= _sm_count(dev))
-    fn = get_function(SOURCE, name, dev, dynamic_smem=smem)
+    ctas = b * h * -(-dv // 64)  # with 64-wide value tiles
+    few = ctas * (2 if q.dtype == torch.float32 else 1) <= _sm_count(dev)
+    source, name, bv, smem = _plan(q.dtype, dk, dv, vec, few, fp32_precision == "exact")
+    fn = get_function(source, name, dev, dynamic_smem=smem)
     tiles = -(-dv // bv)
     s0, g = (None if x is None else x.to(torch.float32).contiguous() for x in (initial_state, grad_state))
     decay, mode = log_decay.kernel_arg()
@@ -148,44 +190,14 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     return sum_partials(partial, log_decay, for_source)
 
 
-#: The largest magnitude :func:`kernel_log_decay_grad_tf32` scales each operand to (a power of two):
-#: low enough that the kernel's fp32 sums of four such factors cannot overflow for N up to 2^20
-#: (2^(4*8) per product, times D^2 and N^3 / 6 of the weights), far above fp16's subnormals.
-TF32_OPERAND_MAX_LOG2 = 8
-
-
-def _half_copy(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` times a power of two 2^e as float16, and 2^e (a float64 device scalar, no host sync): e
-    puts max|x| at 2^:data:`TF32_OPERAND_MAX_LOG2` (at most 2^126, a finite float32 factor: an
-    operand below 2^-118 keeps a smaller scale); 1 where x is all zero or holds Inf/NaN (which the
-    copy then keeps, so dlog(gamma) comes out non-finite)."""
-    x = x.detach()
-    lo, hi = torch.aminmax(x)  # one reduction, no |x| temporary; NaN propagates
-    amax = torch.maximum(hi, -lo).float()
-    ok = torch.isfinite(amax) & (amax > 0)
-    exponent = torch.where(ok, TF32_OPERAND_MAX_LOG2 - torch.ceil(torch.log2(torch.where(ok, amax, 1.0))), 0.0)
-    factor = torch.exp2(exponent.clamp(max=126.0))
-    # scaled in fp32 and stored as fp16 in one pass (no fp32 temporary of x's size)
-    return torch.mul(x, factor, out=torch.empty_like(x, dtype=torch.float16)), factor.double()
-
-
 def kernel_log_decay_grad_tf32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay,
                                scale: float, initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
                                grad_state: Optional[torch.Tensor], *, for_source: bool = False) -> torch.Tensor:
-    """dL/dlog(gamma) of float32 operands to TF32 accuracy: :func:`kernel_log_decay_grad` on float16
-    copies of q, k, v and ``grad_out``, each scaled by its own power of two (:func:`_half_copy`).
-    fp16 carries TF32's 10-bit significand, so the operands lose what the float32 kernel's
-    "tf32" mode loses; the kernel accumulates in fp32. The sum is linear in each of q, k, v and
-    dL/do (the initial state counting as k v, the final state's gradient as q dL/do, and scaled
-    to match), so it is divided by the four factors at the end (in float64: their product may
-    pass float32's range). Arguments and result as :func:`kernel_log_decay_grad`'s, the views in
-    float32. Costs four half-size copies and one walk of the kernel, where the torch computation
-    makes several passes over [B, H, N / 64, Dk, Dv] tensors."""
-    (q16, fq), (k16, fk), (v16, fv), (g16, fg) = (_half_copy(x) for x in (q, k, v, grad_out))
-    s0 = None if initial_state is None else (initial_state.double() * (fk * fv)).float()
-    gs = None if grad_state is None else (grad_state.double() * (fq * fg)).float()
-    out = kernel_log_decay_grad(q16, k16, v16, log_decay, scale, s0, g16, gs, for_source=for_source)
-    return (out.double() / (fq * fk * fv * fg)).float()
+    """:func:`kernel_log_decay_grad` of float32 views in the "tf32" mode (kept for callers of
+    session 18's name; it ran the 16-bit kernel on fp16 copies scaled by powers of two, which the
+    float32 kernel replaced)."""
+    return kernel_log_decay_grad(q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
+                                 for_source=for_source, fp32_precision="tf32")
 
 
 def _sum_launch(shape: tuple[int, int, int], log_decay: LogDecay, for_source: bool

@@ -1,0 +1,228 @@
+"""The float32 dlog(gamma) kernel (marker ``gpu``; cuda_src/chunk/decay_grad_f32.cu through
+rtkernels.methods.chunk.decay_grad.kernel_log_decay_grad with float32 views) in both
+``fp32_precision`` modes: against autograd through the fp64 reference on odd shapes and every gamma
+(0.9 and 0.99, where a wrong power of gamma shows, held to fp32's tolerance in the "exact" mode),
+states in and out, large and tiny magnitudes, both loaders and layouts, NaN, determinism, a long
+sequence, the backward taking it, no host sync and a CUDA graph of a training step."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import rtkernels
+import rtkernels.methods.chunk.backward as kb
+from graphs import assert_replays_like_eager
+from rtkernels.decay import LogDecay
+from rtkernels.methods.chunk import decay_grad
+from test_gpu_decay_grad import _want as _want_of
+from tolerances import REL_FRO
+
+pytestmark = pytest.mark.gpu
+
+F64, F32 = torch.float64, torch.float32
+GAMMAS = (1e-6, 0.5, 0.9, 0.99, 0.999, 1.0)
+SCALE = 0.8
+MODES = ("exact", "tf32")
+#: Relative to the value: 3xTF32 keeps about 20 bits of every product ("exact": fp32's tolerance);
+#: one TF32 product has fp16's 10-bit significand ("tf32": fp16's).
+TOL = {"exact": REL_FRO[F32], "tf32": REL_FRO[torch.float16]}
+#: Relative to the sum of the terms' magnitudes, for inputs whose terms cancel.
+TOL_MAG = {"exact": 2e-6, "tf32": 1e-4}
+#: (Dk, Dv): KMAX 64 with one live warp row and a half tile, KMAX 64 with a last tile of 8
+#: columns, 64 x 64, KMAX 128 with a partial last tile (64 or 32 wide), KMAX 128 with full tiles,
+#: KMAX 256 (one stage) with a partial tile, 256 x 32
+SIZES = [(16, 16), (40, 72), (64, 64), (100, 72), (128, 128), (200, 37), (256, 32)]
+
+
+def _inputs(n: int, dk: int, dv: int, positive: bool, seed: int, b: int = 2, mags=(1.0, 1.0, 1.0, 1.0)):
+    """float32 q, k, v, dL/do ``[B, H, N, D]`` times ``mags``, initial state and dL/d(final state);
+    ``positive``: uniform [0, 1) values (no term cancels another), else normal."""
+    h = len(GAMMAS)
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        return torch.rand(shape, generator=g, dtype=F64) if positive else torch.randn(shape, generator=g, dtype=F64)
+
+    q, k = (draw(b, h, n, dk) / dk ** 0.5 for _ in range(2))
+    v, grad = (draw(b, h, n, dv) for _ in range(2))
+    q, k, v, grad = (x * m for x, m in zip((q, k, v, grad), mags))
+    s0 = draw(b, h, dk, dv) * (mags[1] * mags[2] / dk ** 0.5)
+    g_state = draw(b, h, dk, dv) * (mags[0] * mags[3])
+    return tuple(x.to("cuda", F32) for x in (q, k, v, grad, s0, g_state))
+
+
+def _log_decay() -> LogDecay:
+    return LogDecay(torch.device("cuda"), host=tuple(math.log(x) for x in GAMMAS))
+
+
+def _got(mode, q, k, v, grad, s0, g_state) -> torch.Tensor:
+    out = decay_grad.kernel_log_decay_grad(q, k, v, _log_decay(), SCALE, s0, grad, g_state, fp32_precision=mode)
+    assert out.dtype == F32 and out.shape == (len(GAMMAS),) and out.is_cuda
+    return out.double()
+
+
+def _magnitude(q, k, v, grad, s0, g_state) -> torch.Tensor:
+    """The same sum over |inputs|: the scale of its terms, for inputs whose sum may cancel."""
+    lg = torch.log(torch.tensor(GAMMAS, dtype=F64, device="cuda"))
+    return decay_grad.torch_w_recurrence(q.abs(), k.abs(), v.abs(), lg, SCALE, s0.abs(),
+                                         grad.abs(), None if g_state is None else g_state.abs())
+
+
+def _check(mode, got, want, mag=None, what=""):
+    bound = TOL[mode] * want.abs() + (0 if mag is None else TOL_MAG[mode] * mag)
+    worst = float(((got - want).abs() / bound).max())
+    assert torch.isfinite(got).all() and worst <= 1, \
+        f"{mode} {what}: {worst:.3g} tolerances off; got {got.tolist()}, want {want.tolist()}"
+
+
+@pytest.mark.parametrize("few_ctas", [False, True], ids=["wide-tiles", "narrow-tiles"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("n", (1, 63, 64, 65, 1000))
+def test_matches_fp64(monkeypatch, n, sizes, mode, few_ctas):
+    """Non-negative inputs (no term cancels): every head within the mode's relative tolerance.
+    Normal inputs: within that of the value plus a fraction of the terms' magnitudes. Both value
+    tile widths (the choice follows how full the GPU is)."""
+    dk, dv = sizes
+    monkeypatch.setattr(decay_grad, "_sm_count", lambda dev: 1 << 20 if few_ctas else 0)
+    for positive in (True, False):
+        x = _inputs(n, dk, dv, positive, 100 * n + dk)
+        _check(mode, _got(mode, *x), _want_of(*x, gammas=GAMMAS), None if positive else _magnitude(*x),
+               f"n={n} {sizes} positive={positive}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("states", [(False, False), (True, False), (False, True)],
+                         ids=lambda s: f"s0={int(s[0])}-G={int(s[1])}")
+def test_without_states(mode, states):
+    """No initial state and/or no gradient of the final state (null pointers)."""
+    q, k, v, grad, s0, g_state = _inputs(130, 24, 48, True, 4)
+    s0 = s0 if states[0] else None
+    g_state = g_state if states[1] else None
+    _check(mode, _got(mode, q, k, v, grad, s0, g_state), _want_of(q, k, v, grad, s0, g_state, gammas=GAMMAS))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mags", [(1e6, 1e-6, 3e5, 2e-5), (1e-7, 1e-7, 1e-7, 1e-7), (4e4, 4e4, 4e4, 4e4)],
+                         ids=("mixed", "tiny", "large"))
+def test_magnitudes(mode, mags):
+    """Magnitudes far from 1 (beyond fp16's range, or near its subnormals): fp32 operands need no
+    scaling."""
+    x = _inputs(300, 64, 48, True, 11, mags=mags)
+    _check(mode, _got(mode, *x), _want_of(*x, gammas=GAMMAS), what=str(mags))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_layouts_and_loaders_give_the_same_bits(mode):
+    """[B, N, H, D] storage gives bit for bit the result of contiguous copies (other strides, same
+    kernel); views whose rows are not 16-byte aligned (the element loader) give bit for bit the
+    cp.async loader's result."""
+    q, k, v, grad, s0, g_state = _inputs(300, 40, 72, False, 7)
+    base = _got(mode, q, k, v, grad, s0, g_state)
+    tq, tk, tv, tg = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, grad))
+    assert not tq.is_contiguous()
+    assert torch.equal(_got(mode, tq, tk, tv, tg, s0, g_state), base)
+
+    def unaligned(x):  # the same values at an odd element offset
+        buf = torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)
+        y = buf[1:].view(x.shape)
+        y.copy_(x)
+        return y
+
+    uq = unaligned(q)
+    assert uq.data_ptr() % 16 != 0
+    assert torch.equal(_got(mode, uq, k, v, grad, s0, g_state), base)
+    assert torch.equal(_got(mode, *(unaligned(x) for x in (q, k, v, grad)), s0, g_state), base)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("which", ("q", "k", "v", "grad", "inf"))
+def test_nan_reaches_its_head_only(mode, which):
+    """A NaN in q, k, v or dL/do of head 1 (for k and v at the last token, reached only through a
+    product with weight 0) makes head 1 NaN, an Inf in its q non-finite; the other heads keep
+    their bits."""
+    x = list(_inputs(150, 32, 64, False, 3))
+    clean = _got(mode, *x)
+    i = ("q", "k", "v", "grad", "inf").index(which) % 4
+    x[i] = x[i].clone()
+    x[i][1, 1, 149 if which in ("k", "v") else 70, 5] = float("inf") if which == "inf" else float("nan")
+    got = _got(mode, *x)
+    others = torch.tensor([h != 1 for h in range(len(GAMMAS))], device="cuda")
+    assert (not torch.isfinite(got[1])) if which == "inf" else torch.isnan(got[1])
+    assert torch.equal(got[others], clean[others])
+
+
+def test_tf32_name_is_the_tf32_mode():
+    """kernel_log_decay_grad_tf32 (session 18's name) is the float32 kernel in the "tf32" mode."""
+    x = _inputs(100, 32, 40, False, 2)
+    ld = _log_decay()
+    want = decay_grad.kernel_log_decay_grad(*x[:3], ld, SCALE, x[4], x[3], x[5], fp32_precision="tf32")
+    assert torch.equal(decay_grad.kernel_log_decay_grad_tf32(*x[:3], ld, SCALE, x[4], x[3], x[5]), want)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_deterministic(mode):
+    """Two runs give the same bits (fixed-order reductions, no atomics)."""
+    x = _inputs(1000, 128, 128, False, 5, b=3)
+    assert torch.equal(_got(mode, *x), _got(mode, *x))
+
+
+def test_long_sequence_stays_accurate():
+    """16k tokens, gamma = 1 included (W grows like N^2): within fp32's tolerance on non-negative
+    inputs in the "exact" mode (against the W recurrence in fp64, which the CPU tests check
+    against autograd: the N x N reference would need tens of GB here)."""
+    x = _inputs(16384, 64, 64, True, 9, b=1)
+    q, k, v, grad, s0, g_state = x
+    lg = torch.log(torch.tensor(GAMMAS, dtype=F64, device="cuda"))
+    want = decay_grad.torch_w_recurrence(q, k, v, lg, SCALE, s0, grad, g_state)
+    _check("exact", _got("exact", *x), want, what="N=16384")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_backward_takes_the_kernel(monkeypatch, mode):
+    """loss.backward() with float32 inputs, a trainable decay and the final state in the loss
+    computes dlog(gamma) with the float32 kernel in the forward's mode (once), never the torch
+    formula, and the decay gets the fp64 gradient."""
+    calls = []
+
+    def torch_formula(*args, **kwargs):
+        raise AssertionError("the torch dlog(gamma) formula ran on the kernel path")
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("fp32_precision"))
+        return decay_grad.kernel_log_decay_grad(*args, **kwargs)
+
+    monkeypatch.setattr(kb, "log_decay_grad", torch_formula)
+    monkeypatch.setattr(kb, "kernel_log_decay_grad", counted)
+    q, k, v, grad, s0, g_state = _inputs(200, 64, 96, True, 1)
+    factors = torch.nn.Parameter(torch.tensor(GAMMAS, dtype=F32, device="cuda"))
+    out, state = rtkernels.causal_linear_attention(q, k, v, factors, scale=SCALE, method="chunk", initial_state=s0,
+                                                   return_state=True, fp32_precision=mode)
+    ((out * grad).sum() + (state * g_state).sum()).backward()
+    assert calls == [mode]
+    want = _want_of(q, k, v, grad, s0, g_state, gammas=GAMMAS) / factors.detach().double()
+    _check(mode, factors.grad.double(), want, what="backward")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_training_step_has_no_host_sync_and_replays_in_a_cuda_graph(mode):
+    """A float32 training step with a trainable decay: no host sync once planned, and forward plus
+    backward captured in a CUDA graph replay equal to eager on new values."""
+    q, k, v, grad, _, _ = _inputs(500, 128, 128, True, 5)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    factors = torch.tensor(GAMMAS, dtype=F32, device="cuda", requires_grad=True)
+
+    def step():
+        out = rtkernels.causal_linear_attention(*leaves, factors, scale=SCALE, method="chunk", fp32_precision=mode)
+        return torch.autograd.grad((out * grad).sum(), (*leaves, factors))
+
+    def change():
+        for x in leaves:
+            x.mul_(0.5)
+        factors.copy_(torch.tensor([0.3, 0.6, 0.95, 0.999, 0.9999, 1.0]))
+
+    eager = assert_replays_like_eager(step, change)
+    assert torch.isfinite(eager[3]).all()
