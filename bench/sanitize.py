@@ -317,6 +317,22 @@ def _drive_decay_grad() -> Optional[str]:
     return None
 
 
+def _drive_decay_grad_f32() -> Optional[str]:
+    """The float32 dlog(gamma) kernel in both modes: 32-wide tiles (few CTAs), 64-wide tiles at KMAX
+    128 (many CTAs), KMAX 64, KMAX 256 (one stage), unaligned rows (the element loader)."""
+    torch = _torch()
+    for precision in ("exact", "tf32"):
+        f32 = torch.float32
+        _train(*_qkv(1, 2, 200, 100, 96, f32), f"dlog f32 few CTAs (BV 32) {precision}", precision, decay_grad=True)
+        _train(*_qkv(2, 70, 65, 128, 72, f32), f"dlog f32 many CTAs (BV 64) {precision}", precision,
+               decay_grad=True, state=False)
+        _train(*_qkv(1, 2, 130, 40, 72, f32), f"dlog f32 KMAX 64 {precision}", precision, decay_grad=True)
+        _train(*_qkv(1, 1, 130, 200, 40, f32), f"dlog f32 KMAX 256 {precision}", precision, decay_grad=True)
+        _train(*_qkv(1, 2, 100, 37, 37, f32, offset=True), f"dlog f32 unaligned {precision}", precision,
+               decay_grad=True, state=False)
+    return None
+
+
 def _drive_dq_dlog() -> Optional[str]:
     """dlog(gamma) summed inside the dq pass (the DLOG instance of chunk/fwd16.cu: bf16, aligned
     rows, Dv <= 128, wgmma), with and without a final state in the loss (its term <G, W_end>)."""
@@ -502,6 +518,8 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
     "dk-dv": (_drive_dk_dv, "chunk/fwd16.cu DUAL (the backward's dk and dv passes as one walk; one segment and "
                             "three, with chunk/states.cu)"),
     "decay-grad": (_drive_decay_grad, "chunk/decay_grad.cu (BV 32 and 64, KMAX 256) + chunk/decay_grad_sum.cu"),
+    "decay-grad-f32": (_drive_decay_grad_f32, "chunk/decay_grad_f32.cu (exact and tf32; BV 32 and 64, KMAX 64, 128, "
+                                              "256, element loader) + chunk/decay_grad_sum.cu"),
     "dq-dlog": (_drive_dq_dlog, "chunk/fwd16.cu DLOG (dlog(gamma) in the backward's dq pass, bf16 wgmma; one "
                                 "segment, three, two of two slots, with chunk/states.cu DLOG) + chunk/decay_grad_sum.cu"),
     "large-heads": (_drive_large_heads, "chunk kernels at Dk 200-256, Dv 320-512: key pieces and one pass, "
