@@ -151,9 +151,7 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
                      const rtk_u16* __restrict__ dout, const void* __restrict__ decay,
                      const float* __restrict__ init_state, const float* __restrict__ grad_state,
                      float* __restrict__ partial, const __grid_constant__ rtk_fwd_shape p) {
-  RTK_FWD_SHAPE(p);  // do's strides in o's place
-  const rtk_i64 d_sb = o_sb, d_sh = o_sh, d_sn = o_sn;
-  RTK_FWD_SIZES;
+  const float scale = (float)p.scale;
   typedef rtk_dg_smem<KMAX, BV> L;
   typedef rtk_dg_split<KMAX, BV> P;
   constexpr int C = L::C, KS = L::KS, VS = L::VS, MT = P::MT, NT = P::NT;
@@ -166,65 +164,16 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
-  const int v0 = blockIdx.y * BV;
-  const int dv_here = min(BV, Dv - v0);
-  const float lg2 = rtk_head_log_decay(decay, decay_mode, h) * 1.4426950408889634f;  // log2(gamma)
-  const rtk_u16* qb = q + (rtk_i64)b * q_sb + (rtk_i64)h * q_sh;
-  const rtk_u16* kb = k + (rtk_i64)b * k_sb + (rtk_i64)h * k_sh;
-  const rtk_u16* vb = v + (rtk_i64)b * v_sb + (rtk_i64)h * v_sh + v0;
-  const rtk_u16* db = dout + (rtk_i64)b * d_sb + (rtk_i64)h * d_sh + v0;
-  const int nchunks = (N + C - 1) / C;
+  const rtk_dg_cta<rtk_u16, BV> cta(p, q, k, v, dout, decay);
+  const int bh = cta.bh, N = cta.N, Dk = cta.Dk, Dv = (int)p.Dv, v0 = cta.v0, dv_here = cta.dv_here;
+  const int nchunks = cta.nchunks;
+  const float lg2 = cta.lg2;  // log2(gamma)
 
-  // ---- loading chunk `chunk` into stage `stage` (all 256 threads) --------------------------------
-  constexpr int QP = KMAX / 8, VP = BV / 8;            // 16-byte pieces of a q/k row and of a v/do row
-  constexpr int QROWS = 256 / QP, VROWS = 256 / VP;  // rows one pass of the 256 threads covers
+  // ---- loading chunk `chunk` into stage `stage` (rows padded: KS, VS) ----------------------------
   auto load_chunk = [&](int chunk, int stage) {
-    rtk_u16* sQ = sm + stage * L::STAGE + L::Q;
-    rtk_u16* sK = sm + stage * L::STAGE + L::K;
-    rtk_u16* sV = sm + stage * L::STAGE + L::V;
-    rtk_u16* sD = sm + stage * L::STAGE + L::DO;
-    const rtk_i64 n0 = (rtk_i64)chunk * C;
-    const int rows = (int)min((rtk_i64)C, (rtk_i64)N - n0);
-    if (VEC) {  // 16-byte pieces; bytes past Dk / Dv / N are zero-filled (nothing read there)
-      // thread tid copies the piece at column qcol (vcol) of rows qrow + i * QROWS (vrow + i * VROWS):
-      // one pointer per operand, stepped by a multiple of the row stride
-      const int qrow = tid / QP, qcol = (tid % QP) * 8, vrow = tid / VP, vcol = (tid % VP) * 8;
-      const int qbytes = max(0, min(16, (Dk - qcol) * 2)), vbytes = max(0, min(16, (dv_here - vcol) * 2));
-      const char* qp = reinterpret_cast<const char*>(qb + (n0 + qrow) * q_sn + (qbytes ? qcol : 0));
-      const char* kp = reinterpret_cast<const char*>(kb + (n0 + qrow) * k_sn + (qbytes ? qcol : 0));
-      const char* vp = reinterpret_cast<const char*>(vb + (n0 + vrow) * v_sn + (vbytes ? vcol : 0));
-      const char* dp = reinterpret_cast<const char*>(db + (n0 + vrow) * d_sn + (vbytes ? vcol : 0));
-      const rtk_u32 aq = rtk_smem_addr(sQ + qrow * KS + qcol), ak = rtk_smem_addr(sK + qrow * KS + qcol);
-      const rtk_u32 av = rtk_smem_addr(sV + vrow * VS + vcol), ad = rtk_smem_addr(sD + vrow * VS + vcol);
-      #pragma unroll
-      for (int i = 0; i < C / QROWS; ++i, qp += 2 * QROWS * q_sn, kp += 2 * QROWS * k_sn) {
-        const bool in = qrow + i * QROWS < rows;  // rows past N: nothing read, zeros
-        rtk_cp_async16(aq + 2 * i * QROWS * KS, in ? (const void*)qp : (const void*)qb, in ? qbytes : 0);
-        rtk_cp_async16(ak + 2 * i * QROWS * KS, in ? (const void*)kp : (const void*)kb, in ? qbytes : 0);
-      }
-      #pragma unroll
-      for (int i = 0; i < C / VROWS; ++i, vp += 2 * VROWS * v_sn, dp += 2 * VROWS * d_sn) {
-        const bool in = vrow + i * VROWS < rows;
-        rtk_cp_async16(av + 2 * i * VROWS * VS, in ? (const void*)vp : (const void*)vb, in ? vbytes : 0);
-        rtk_cp_async16(ad + 2 * i * VROWS * VS, in ? (const void*)dp : (const void*)db, in ? vbytes : 0);
-      }
-    } else {  // element by element (rows not 16-byte aligned)
-      for (int e = tid; e < C * KMAX; e += 256) {
-        const int r = e / KMAX, col = e % KMAX;
-        const bool ok = r < rows && col < Dk;
-        const rtk_i64 n = n0 + r;
-        sQ[r * KS + col] = ok ? qb[n * q_sn + col] : (rtk_u16)0;
-        sK[r * KS + col] = ok ? kb[n * k_sn + col] : (rtk_u16)0;
-      }
-      for (int e = tid; e < C * BV; e += 256) {
-        const int r = e / BV, col = e % BV;
-        const bool ok = r < rows && col < dv_here;
-        const rtk_i64 n = n0 + r;
-        sV[r * VS + col] = ok ? vb[n * v_sn + col] : (rtk_u16)0;
-        sD[r * VS + col] = ok ? db[n * d_sn + col] : (rtk_u16)0;
-      }
-    }
+    rtk_u16* st = sm + stage * L::STAGE;
+    cta.template load<KMAX, VEC>(chunk, st + L::Q, st + L::K, st + L::V, st + L::DO,
+                                 [](int r, int c) { return r * KS + c; }, [](int r, int c) { return r * VS + c; });
   };
 
   if (nchunks > 0) {
@@ -361,5 +310,5 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
   }
 
   rtk_dg_finish(frag, w_acc, grad_state, scale, wconst, acc1, acc2, acci, red,
-                partial + ((rtk_i64)b * gridDim.y + blockIdx.y) * H + h);
+                partial + ((rtk_i64)cta.b * gridDim.y + blockIdx.y) * p.H + cta.h);
 }

@@ -120,9 +120,7 @@ rtk_chunk_decay_grad_f32(const float* __restrict__ q, const float* __restrict__ 
                          const float* __restrict__ dout, const void* __restrict__ decay,
                          const float* __restrict__ init_state, const float* __restrict__ grad_state,
                          float* __restrict__ partial, const __grid_constant__ rtk_fwd_shape p) {
-  RTK_FWD_SHAPE(p);  // do's strides in o's place
-  const rtk_i64 d_sb = o_sb, d_sh = o_sh, d_sn = o_sn;
-  RTK_FWD_SIZES;
+  const float scale = (float)p.scale;
   typedef rtk_dgf_smem<KMAX, BV, STAGES> L;
   typedef rtk_dg_split<KMAX, BV> P;
   constexpr int C = L::C, MT = P::MT, NT = P::NT;
@@ -135,67 +133,17 @@ rtk_chunk_decay_grad_f32(const float* __restrict__ q, const float* __restrict__ 
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int bh = blockIdx.x, b = bh / H, h = bh - b * H;
-  const int v0 = blockIdx.y * BV;
-  const int dv_here = min(BV, Dv - v0);
-  const float lg2 = rtk_head_log_decay(decay, decay_mode, h) * 1.4426950408889634f;  // log2(gamma)
-  const float* qb = q + (rtk_i64)b * q_sb + (rtk_i64)h * q_sh;
-  const float* kb = k + (rtk_i64)b * k_sb + (rtk_i64)h * k_sh;
-  const float* vb = v + (rtk_i64)b * v_sb + (rtk_i64)h * v_sh + v0;
-  const float* db = dout + (rtk_i64)b * d_sb + (rtk_i64)h * d_sh + v0;
-  const int nchunks = (N + C - 1) / C;
+  const rtk_dg_cta<float, BV> cta(p, q, k, v, dout, decay);
+  const int bh = cta.bh, N = cta.N, Dk = cta.Dk, Dv = (int)p.Dv, v0 = cta.v0, dv_here = cta.dv_here;
+  const int nchunks = cta.nchunks;
+  const float lg2 = cta.lg2;  // log2(gamma)
 
-  // ---- loading chunk `chunk` into stage `stage` (all 256 threads) --------------------------------
-  constexpr int QP = KMAX / 4, VP = BV / 4;          // 16-byte pieces of a q/k row and of a v/do row
-  constexpr int QROWS = 256 / QP, VROWS = 256 / VP;  // rows one pass of the 256 threads covers
+  // ---- loading chunk `chunk` into stage `stage` (rows permuted: rtk_dgf_col) ---------------------
   auto load_chunk = [&](int chunk, int stage) {
-    float* sQ = sm + stage * L::STAGE + L::Q;
-    float* sK = sm + stage * L::STAGE + L::K;
-    float* sV = sm + stage * L::STAGE + L::V;
-    float* sD = sm + stage * L::STAGE + L::DO;
-    const rtk_i64 n0 = (rtk_i64)chunk * C;
-    const int rows = (int)min((rtk_i64)C, (rtk_i64)N - n0);
-    if (VEC) {  // 16-byte pieces; bytes past Dk / Dv / N are zero-filled (nothing read there)
-      const int qrow = tid / QP, qcol = (tid % QP) * 4, vrow = tid / VP, vcol = (tid % VP) * 4;
-      const int qbytes = max(0, min(16, (Dk - qcol) * 4)), vbytes = max(0, min(16, (dv_here - vcol) * 4));
-      #pragma unroll
-      for (int i = 0; i < C / QROWS; ++i) {
-        const int r = qrow + i * QROWS;
-        const bool in = r < rows;  // rows past N: nothing read, zeros
-        const rtk_i64 n = in ? n0 + r : 0;
-        const int c = in && qbytes ? qcol : 0;
-        const int at = r * KMAX + rtk_dgf_col(r, qcol);
-        rtk_cp_async16(rtk_smem_addr(sQ + at), qb + n * q_sn + c, in ? qbytes : 0);
-        rtk_cp_async16(rtk_smem_addr(sK + at), kb + n * k_sn + c, in ? qbytes : 0);
-      }
-      #pragma unroll
-      for (int i = 0; i < C / VROWS; ++i) {
-        const int r = vrow + i * VROWS;
-        const bool in = r < rows;
-        const rtk_i64 n = in ? n0 + r : 0;
-        const int c = in && vbytes ? vcol : 0;
-        const int at = r * BV + rtk_dgf_col(r, vcol);
-        rtk_cp_async16(rtk_smem_addr(sV + at), vb + n * v_sn + c, in ? vbytes : 0);
-        rtk_cp_async16(rtk_smem_addr(sD + at), db + n * d_sn + c, in ? vbytes : 0);
-      }
-    } else {  // element by element (rows not 16-byte aligned)
-      for (int e = tid; e < C * KMAX; e += 256) {
-        const int r = e / KMAX, col = e % KMAX;
-        const bool ok = r < rows && col < Dk;
-        const rtk_i64 n = n0 + r;
-        const int at = r * KMAX + rtk_dgf_col(r, col);
-        sQ[at] = ok ? qb[n * q_sn + col] : 0.f;
-        sK[at] = ok ? kb[n * k_sn + col] : 0.f;
-      }
-      for (int e = tid; e < C * BV; e += 256) {
-        const int r = e / BV, col = e % BV;
-        const bool ok = r < rows && col < dv_here;
-        const rtk_i64 n = n0 + r;
-        const int at = r * BV + rtk_dgf_col(r, col);
-        sV[at] = ok ? vb[n * v_sn + col] : 0.f;
-        sD[at] = ok ? db[n * d_sn + col] : 0.f;
-      }
-    }
+    float* st = sm + stage * L::STAGE;
+    cta.template load<KMAX, VEC>(chunk, st + L::Q, st + L::K, st + L::V, st + L::DO,
+                                 [](int r, int c) { return r * KMAX + rtk_dgf_col(r, c); },
+                                 [](int r, int c) { return r * BV + rtk_dgf_col(r, c); });
   };
 
   if (nchunks > 0) {
@@ -307,5 +255,5 @@ rtk_chunk_decay_grad_f32(const float* __restrict__ q, const float* __restrict__ 
   }
 
   rtk_dg_finish(frag, w_acc, grad_state, scale, wconst, acc1, acc2, acci, red,
-                partial + ((rtk_i64)b * gridDim.y + blockIdx.y) * H + h);
+                partial + ((rtk_i64)cta.b * gridDim.y + blockIdx.y) * p.H + cta.h);
 }

@@ -3,7 +3,98 @@
 // tiles, fragment sums, the per-CTA constants and the CTA's fixed-order sum. decay_grad.cu's header
 // has the math.
 #pragma once
+#include "../include/copy.cuh"
+#include "../include/params.cuh"
 #include "../include/state_frag.cuh"
+
+// A CTA's place in the walk: (batch, head) from blockIdx.x, value tile blockIdx.y (BV columns from
+// v0, dv_here of them real), log2(gamma), the chunk count, and where its rows of q, k (all columns)
+// and v, do (the tile's columns) start; do's strides are the shape struct's o_* fields.
+template <class T, int BV>
+struct rtk_dg_cta {
+  int bh, b, h, v0, dv_here, N, Dk, nchunks;
+  float lg2;
+  const T *qb, *kb, *vb, *db;
+  rtk_i64 q_sn, k_sn, v_sn, d_sn;
+
+  __device__ __forceinline__ rtk_dg_cta(const rtk_fwd_shape& p, const T* q, const T* k, const T* v, const T* dout,
+                                        const void* decay) {
+    const int H = (int)p.H;
+    bh = blockIdx.x;
+    b = bh / H;
+    h = bh - b * H;
+    v0 = blockIdx.y * BV;
+    dv_here = min(BV, (int)p.Dv - v0);
+    N = (int)p.N;
+    Dk = (int)p.Dk;
+    nchunks = (N + 63) / 64;
+    lg2 = rtk_head_log_decay(decay, p.decay_mode, h) * 1.4426950408889634f;
+    qb = q + (rtk_i64)b * p.q_sb + (rtk_i64)h * p.q_sh;
+    kb = k + (rtk_i64)b * p.k_sb + (rtk_i64)h * p.k_sh;
+    vb = v + (rtk_i64)b * p.v_sb + (rtk_i64)h * p.v_sh + v0;
+    db = dout + (rtk_i64)b * p.o_sb + (rtk_i64)h * p.o_sh + v0;
+    q_sn = p.q_sn;
+    k_sn = p.k_sn;
+    v_sn = p.v_sn;
+    d_sn = p.o_sn;
+  }
+
+  // Tokens 64 chunk .. + 63 into the tiles sQ, sK (KMAX columns) and sV, sD (BV columns), zeros past
+  // Dk, the tile's columns and N (all 256 threads): 16-byte cp.async pieces with VEC (every row
+  // 16-byte aligned; the caller commits), else element by element. atk(r, c) / atv(r, c): the
+  // offset of row r, column c in a q/k tile / a v/do tile (padding or permutation: the caller's).
+  template <int KMAX, bool VEC, class AtK, class AtV>
+  __device__ __forceinline__ void load(int chunk, T* sQ, T* sK, T* sV, T* sD, AtK atk, AtV atv) const {
+    constexpr int C = 64, PIECE = 16 / (int)sizeof(T);   // elements of a 16-byte piece
+    constexpr int QP = KMAX / PIECE, VP = BV / PIECE;     // pieces of a q/k row and of a v/do row
+    constexpr int QROWS = 256 / QP, VROWS = 256 / VP;     // rows one pass of the 256 threads covers
+    const int tid = threadIdx.x;
+    const rtk_i64 n0 = (rtk_i64)chunk * C;
+    const int rows = (int)min((rtk_i64)C, (rtk_i64)N - n0);
+    if (VEC) {  // bytes past Dk / Dv / N are zero-filled (nothing read there)
+      // thread tid copies the piece at column qcol (vcol) of rows qrow + i * QROWS (vrow + i * VROWS):
+      // one pointer per operand, stepped by a multiple of the row stride
+      const int qrow = tid / QP, qcol = (tid % QP) * PIECE, vrow = tid / VP, vcol = (tid % VP) * PIECE;
+      const int qbytes = max(0, min(16, (Dk - qcol) * (int)sizeof(T)));
+      const int vbytes = max(0, min(16, (dv_here - vcol) * (int)sizeof(T)));
+      const T* qp = qb + (n0 + qrow) * q_sn + (qbytes ? qcol : 0);
+      const T* kp = kb + (n0 + qrow) * k_sn + (qbytes ? qcol : 0);
+      const T* vp = vb + (n0 + vrow) * v_sn + (vbytes ? vcol : 0);
+      const T* dp = db + (n0 + vrow) * d_sn + (vbytes ? vcol : 0);
+      #pragma unroll
+      for (int i = 0; i < C / QROWS; ++i, qp += QROWS * q_sn, kp += QROWS * k_sn) {
+        const int r = qrow + i * QROWS;
+        const bool in = r < rows;  // rows past N: nothing read, zeros
+        const int at = atk(r, qcol);
+        rtk_cp_async16(rtk_smem_addr(sQ + at), in ? (const void*)qp : (const void*)qb, in ? qbytes : 0);
+        rtk_cp_async16(rtk_smem_addr(sK + at), in ? (const void*)kp : (const void*)kb, in ? qbytes : 0);
+      }
+      #pragma unroll
+      for (int i = 0; i < C / VROWS; ++i, vp += VROWS * v_sn, dp += VROWS * d_sn) {
+        const int r = vrow + i * VROWS;
+        const bool in = r < rows;
+        const int at = atv(r, vcol);
+        rtk_cp_async16(rtk_smem_addr(sV + at), in ? (const void*)vp : (const void*)vb, in ? vbytes : 0);
+        rtk_cp_async16(rtk_smem_addr(sD + at), in ? (const void*)dp : (const void*)db, in ? vbytes : 0);
+      }
+    } else {  // rows not 16-byte aligned
+      for (int e = tid; e < C * KMAX; e += 256) {
+        const int r = e / KMAX, col = e % KMAX;
+        const bool ok = r < rows && col < Dk;
+        const rtk_i64 n = n0 + r;
+        sQ[atk(r, col)] = ok ? qb[n * q_sn + col] : (T)0;
+        sK[atk(r, col)] = ok ? kb[n * k_sn + col] : (T)0;
+      }
+      for (int e = tid; e < C * BV; e += 256) {
+        const int r = e / BV, col = e % BV;
+        const bool ok = r < rows && col < dv_here;
+        const rtk_i64 n = n0 + r;
+        sV[atv(r, col)] = ok ? vb[n * v_sn + col] : (T)0;
+        sD[atv(r, col)] = ok ? db[n * d_sn + col] : (T)0;
+      }
+    }
+  }
+};
 
 // How the 8 warps tile the KMAX x BV state: RW warps along the rows (16 rows at least each), CW
 // along the columns; each warp holds MT x NT fragments of 16 x 8.

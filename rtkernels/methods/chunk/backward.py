@@ -25,12 +25,12 @@ term is ever divided by gamma or by scale (gamma may be 1e-6 and scale 0). dlog(
 trainable decay, is summed by the dq pass itself where that pass runs the wgmma kernel in bf16
 (:func:`rtkernels.methods.chunk.decay_grad.dq_pass_sums`; the same sum, no second walk over the
 sequence), else it is one more kernel where the passes run the chunk kernel:
-:func:`rtkernels.methods.chunk.decay_grad.kernel_log_decay_grad` (``cuda_src/chunk/decay_grad.cu``), which carries
-W = dS/dlog(gamma) forward with the state, chunk by chunk, and sums non-negative-weight terms
-only (its module docstring has the math). float32 in the "tf32" mode takes the same kernel on
-fp16 copies scaled by powers of two (:func:`~rtkernels.methods.chunk.decay_grad.kernel_log_decay_grad_tf32`:
-fp16 has TF32's significand); elsewhere (float32 "exact") the chunked four-term formula of
-:func:`rtkernels.autograd.log_decay_grad` in torch operations, shared with the torch backward. (The
+:func:`rtkernels.methods.chunk.decay_grad.kernel_log_decay_grad`, which carries W = dS/dlog(gamma)
+forward with the state, chunk by chunk, and sums non-negative-weight terms only (its module
+docstring has the math): ``cuda_src/chunk/decay_grad.cu`` on 16-bit operands,
+``cuda_src/chunk/decay_grad_f32.cu`` on float32 ones in the forward's ``fp32_precision`` mode.
+Elsewhere, the chunked four-term formula of :func:`rtkernels.autograd.log_decay_grad` in torch
+operations, shared with the torch backward. (The
 identity dlog(gamma) = sum_i i q_i . dq_i - sum_j j k_j . dk_j + ... is exact but subtracts two
 large sums of rounded 16-bit gradients: catastrophic cancellation.)
 
@@ -46,7 +46,7 @@ the kernel does not run (the CPU, fp64, Dk > 256 or Dv > 512), :func:`forward_pa
 
 Precision (kernel path): every pass is the forward kernel. fp32 inputs: the fp32 kernel in the
 forward's ``fp32_precision`` mode (3xTF32 "exact": fp32 accuracy; "tf32": about 1e-3), gradients in
-fp32; dlog(gamma) by the torch formula. 16-bit inputs: 16-bit operands (g included), fp32
+fp32; dlog(gamma) by the float32 kernel in the same mode. 16-bit inputs: 16-bit operands (g included), fp32
 accumulation and state, outputs rounded to the input dtype; in fp16 the products g_i . v_j (the
 scores of the dq pass) are rounded to fp16 as the forward's q . k are, so a very large incoming
 gradient (loss scaling near fp16's range) can overflow there. dq, dk, dv come back in the input

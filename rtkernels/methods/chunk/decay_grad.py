@@ -1,5 +1,6 @@
-r"""dL/dlog(gamma) for the kernel backward: one CUDA kernel (``cuda_src/chunk/decay_grad.cu``), and
-the same computation in torch operations (:func:`torch_w_recurrence`) that the CPU tests check.
+r"""dL/dlog(gamma) for the kernel backward: one CUDA kernel per operand width
+(``cuda_src/chunk/decay_grad.cu`` for fp16/bf16, ``cuda_src/chunk/decay_grad_f32.cu`` for float32),
+and the same computation in torch operations (:func:`torch_w_recurrence`) that the CPU tests check.
 
 Per batch and head, chunks of C = 64 tokens (the last one L <= C long), local index t (queries)
 / s (keys), S_c the state entering chunk c and W_c = dS_c/dlog(gamma) its derivative, carried
@@ -30,6 +31,12 @@ is rounded once to 16 bits (the weights normalised to at most 1 first, so fp16 n
 nor loses a small gamma to its subnormals); accumulation is fp32 throughout. Each CTA
 writes one partial sum (reduced in a fixed order); a second launch sums them over batches and tiles in
 float64, per head in a fixed order: deterministic, no atomics.
+
+**Float32.** ``rtk_chunk_decay_grad_f32`` is the same walk with fp32 tiles in shared memory and
+TF32 tensor cores (mma.sync m16n8k8): a weight multiplies its operand in fp32 and only the product
+is split, as 3xTF32 (hi + lo, about fp32 accuracy) in the "exact" mode or rounded once to TF32 in
+the "tf32" mode; each chunk's k^T v sums start from zero and join S and W by fp32 FMAs (the tensor
+cores' adder truncates, which compounds over a long sequence when S itself is the accumulator).
 
 Work per CTA and chunk: four KMAX x BV x 64 products (the two over k and v in one pass) and the
 causal block of two 64 x 64 score matrices (q k^T over KMAX, recomputed for each value tile;
