@@ -95,6 +95,17 @@ def test_matches_fp64(monkeypatch, n, sizes, mode, few_ctas):
 
 
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sizes", [(128, 128), (200, 37)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_matches_fp64_at_4096_tokens(sizes, mode):
+    """64 chunks (the issue's N = 4096), one batch: as test_matches_fp64."""
+    dk, dv = sizes
+    for positive in (True, False):
+        x = _inputs(4096, dk, dv, positive, 4096 + dk, b=1)
+        _check(mode, _got(mode, *x), _want_of(*x, gammas=GAMMAS), None if positive else _magnitude(*x),
+               f"n=4096 {sizes} positive={positive}")
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("states", [(False, False), (True, False), (False, True)],
                          ids=lambda s: f"s0={int(s[0])}-G={int(s[1])}")
 def test_without_states(mode, states):
