@@ -318,12 +318,16 @@ def _drive_decay_grad() -> Optional[str]:
 
 
 def _drive_decay_grad_f32() -> Optional[str]:
-    """The float32 dlog(gamma) kernel in both modes: 32-wide tiles (few CTAs), 64-wide tiles at KMAX
+    """The float32 dlog(gamma) kernel in both modes: 32-wide tiles with the state's rows in two slices
+    (very few CTAs), 32-wide tiles in two stages (few: on a GPU of 132 SMs), 64-wide tiles at KMAX
     128 (many CTAs), KMAX 64, KMAX 256 (one stage), unaligned rows (the element loader)."""
     torch = _torch()
     for precision in ("exact", "tf32"):
         f32 = torch.float32
-        _train(*_qkv(1, 2, 200, 100, 96, f32), f"dlog f32 few CTAs (BV 32) {precision}", precision, decay_grad=True)
+        _train(*_qkv(1, 2, 200, 100, 96, f32), f"dlog f32 very few CTAs (row slices) {precision}", precision,
+               decay_grad=True)
+        _train(*_qkv(1, 24, 130, 128, 128, f32), f"dlog f32 few CTAs (BV 32) {precision}", precision,
+               decay_grad=True, state=False)
         _train(*_qkv(2, 70, 65, 128, 72, f32), f"dlog f32 many CTAs (BV 64) {precision}", precision,
                decay_grad=True, state=False)
         _train(*_qkv(1, 2, 130, 40, 72, f32), f"dlog f32 KMAX 64 {precision}", precision, decay_grad=True)
@@ -518,8 +522,8 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
     "dk-dv": (_drive_dk_dv, "chunk/fwd16.cu DUAL (the backward's dk and dv passes as one walk; one segment and "
                             "three, with chunk/states.cu)"),
     "decay-grad": (_drive_decay_grad, "chunk/decay_grad.cu (BV 32 and 64, KMAX 256) + chunk/decay_grad_sum.cu"),
-    "decay-grad-f32": (_drive_decay_grad_f32, "chunk/decay_grad_f32.cu (exact and tf32; BV 32 and 64, KMAX 64, 128, "
-                                              "256, element loader) + chunk/decay_grad_sum.cu"),
+    "decay-grad-f32": (_drive_decay_grad_f32, "chunk/decay_grad_f32.cu (exact and tf32; BV 32 and 64, row slices, "
+                                              "KMAX 64, 128, 256, element loader) + chunk/decay_grad_sum.cu"),
     "dq-dlog": (_drive_dq_dlog, "chunk/fwd16.cu DLOG (dlog(gamma) in the backward's dq pass, bf16 wgmma; one "
                                 "segment, three, two of two slots, with chunk/states.cu DLOG) + chunk/decay_grad_sum.cu"),
     "large-heads": (_drive_large_heads, "chunk kernels at Dk 200-256, Dv 320-512: key pieces and one pass, "

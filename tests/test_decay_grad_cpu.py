@@ -171,7 +171,8 @@ def test_configs_cover_every_head_size():
 def test_f32_configs_cover_every_head_size():
     """The float32 kernel: every Dk, Dv in 1..256, both loaders, both modes and both tile rules map
     to an instance the compile test compiles; 64-wide value tiles only at KMAX 128 and Dv > 32, and
-    never where 64-wide tiles would leave SMs idle; one stage only at KMAX 256; each instance's
+    never where 64-wide tiles would leave SMs idle; two row slices in one stage at KMAX 128 where
+    32-wide tiles would too; one stage otherwise only at KMAX 256; each instance's
     shared memory (dynamic + 2,352 bytes static) fits a CTA, and two of them where the launch bounds
     ask for two CTAs a multiprocessor (the kernel's rule: dynamic memory <= 110 KiB)."""
     configs = set(decay_grad.all_configs_f32())
@@ -179,20 +180,21 @@ def test_f32_configs_cover_every_head_size():
         for dv in range(1, 257):
             for vec in (False, True):
                 for exact in (False, True):
-                    for few in (False, True):
-                        c = decay_grad.kernel_config_f32(dk, dv, vec, exact, few)
-                        assert c in configs, (dk, dv, vec, exact, few)
-                        kmax, bv, stages, ex, v = c
+                    for few, fewer in ((False, False), (True, False), (True, True)):
+                        c = decay_grad.kernel_config_f32(dk, dv, vec, exact, few, fewer)
+                        assert c in configs, (dk, dv, vec, exact, few, fewer)
+                        kmax, bv, stages, slices, ex, v = c
                         assert kmax >= dk and (ex, v) == (exact, vec)
                         assert bv == (64 if kmax == 128 and dv > 32 and not few else 32), c
-                        assert stages == (1 if kmax == 256 else 2), c
-    for kmax, bv, stages, _, _ in configs:
+                        assert slices == (2 if kmax == 128 and fewer else 1), c
+                        assert stages == (1 if kmax == 256 or slices == 2 else 2), c
+    for kmax, bv, stages, _, _, _ in configs:
         smem = decay_grad.smem_bytes_f32(kmax, bv, stages) + 2352
         assert smem <= 227 * 1024, (kmax, bv, stages)
         if decay_grad.smem_bytes_f32(kmax, bv, stages) <= 110 * 1024:
             assert 2 * (smem + 1024) <= 228 * 1024, (kmax, bv, stages)
-    assert decay_grad.name_expression_f32((128, 64, 2, True, False)) == \
-        "rtk_chunk_decay_grad_f32<128, 64, 2, true, false>"
+    assert decay_grad.name_expression_f32((128, 64, 2, 1, True, False)) == \
+        "rtk_chunk_decay_grad_f32<128, 64, 2, 1, true, false>"
 
 
 def test_cpu_kernel_backward_keeps_the_torch_formula(monkeypatch):

@@ -78,16 +78,19 @@ def _check(mode, got, want, mag=None, what=""):
         f"{mode} {what}: {worst:.3g} tolerances off; got {got.tolist()}, want {want.tolist()}"
 
 
-@pytest.mark.parametrize("few_ctas", [False, True], ids=["wide-tiles", "narrow-tiles"])
+@pytest.mark.parametrize("fill", ["wide-tiles", "narrow-tiles", "row-slices"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("n", (1, 63, 64, 65, 1000))
-def test_matches_fp64(monkeypatch, n, sizes, mode, few_ctas):
+def test_matches_fp64(monkeypatch, n, sizes, mode, fill):
     """Non-negative inputs (no term cancels): every head within the mode's relative tolerance.
-    Normal inputs: within that of the value plus a fraction of the terms' magnitudes. Both value
-    tile widths (the choice follows how full the GPU is)."""
+    Normal inputs: within that of the value plus a fraction of the terms' magnitudes. Every
+    layout the choice by how full the GPU is can take (forced through the SM count the kernel
+    sees): 64-wide tiles, 32-wide ones, 32-wide ones with the state's rows in two slices."""
     dk, dv = sizes
-    monkeypatch.setattr(decay_grad, "_sm_count", lambda dev: 1 << 20 if few_ctas else 0)
+    ctas64 = 2 * len(GAMMAS) * -(-dv // 64)  # batch 2
+    sms = {"wide-tiles": 0, "narrow-tiles": 2 * ctas64, "row-slices": 1 << 20}[fill]
+    monkeypatch.setattr(decay_grad, "_sm_count", lambda dev: sms)
     for positive in (True, False):
         x = _inputs(n, dk, dv, positive, 100 * n + dk)
         _check(mode, _got(mode, *x), _want_of(*x, gammas=GAMMAS), None if positive else _magnitude(*x),

@@ -114,7 +114,10 @@ __device__ __forceinline__ void rtk_dgf_scores(float (&p)[1][2][4], const float*
 // Parameters as rtk_chunk_decay_grad's, the views fp32 with a unit last stride. Two CTAs share a
 // multiprocessor where their shared memory fits (then 128 registers a thread); S, W and the two
 // scratch fragments take (2 + 2 / NG) MT NT 4 of them (64 at KMAX 128, BV 32).
-template <int KMAX, int BV, int STAGES, bool EXACT, bool VEC>
+// SLICES > 1 (few (batch, head, tile) CTAs for the GPU): CTA z = blockIdx.z owns rows z KMAX /
+// SLICES .. of S and W (the state terms are sums over the rows) and the causal block's tiles
+// i = z mod SLICES (it still loads whole q and k rows for q_t . k_s), so SLICES CTAs share a walk.
+template <int KMAX, int BV, int STAGES, int SLICES, bool EXACT, bool VEC>
 __global__ void __launch_bounds__(256, rtk_dgf_smem<KMAX, BV, STAGES>::BYTES <= 110 * 1024 ? 2 : 1)
 rtk_chunk_decay_grad_f32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                          const float* __restrict__ dout, const void* __restrict__ decay,
@@ -122,10 +125,11 @@ rtk_chunk_decay_grad_f32(const float* __restrict__ q, const float* __restrict__ 
                          float* __restrict__ partial, const __grid_constant__ rtk_fwd_shape p) {
   const float scale = (float)p.scale;
   typedef rtk_dgf_smem<KMAX, BV, STAGES> L;
-  typedef rtk_dg_split<KMAX, BV> P;
+  typedef rtk_dg_split<KMAX / SLICES, BV> P;  // the warps tile this CTA's rows of the state
   constexpr int C = L::C, MT = P::MT, NT = P::NT;
   constexpr int NG = MT * NT >= 8 ? 2 : 1;  // column groups of the scratch fragments
   static_assert(KMAX % 64 == 0 && BV % 32 == 0 && (STAGES == 1 || STAGES == 2), "bad tile");
+  static_assert(SLICES == 1 || (SLICES == 2 && KMAX >= 128), "bad slices");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* const sm = reinterpret_cast<float*>(smem_raw);
@@ -152,7 +156,7 @@ rtk_chunk_decay_grad_f32(const float* __restrict__ q, const float* __restrict__ 
   }
 
   // ---- this warp's slice of the state: rows sr0.., columns c0.. of the tile ----------------------
-  const int sr0 = (warp % P::RW) * P::ROWS, c0 = (warp / P::RW) * P::COLS;
+  const int sr0 = blockIdx.z * (KMAX / SLICES) + (warp % P::RW) * P::ROWS, c0 = (warp / P::RW) * P::COLS;
   const bool state_live = sr0 < Dk && c0 < dv_here;  // else S, W stay 0 and the products are skipped
   const rtk_chunk_state<MT, NT> frag = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, 0};
   float s_acc[MT][NT][4], w_acc[MT][NT][4];
@@ -233,9 +237,9 @@ rtk_chunk_decay_grad_f32(const float* __restrict__ q, const float* __restrict__ 
       }
     }
 
-    // ---- intra part: tiles warp, warp + 8 of the causal block ------------------------------------
+    // ---- intra part: tiles z + SLICES warp (+ 8 SLICES) of the causal block -----------------------
     #pragma unroll 1
-    for (int i = warp; i < 10; i += 8) {
+    for (int i = blockIdx.z + SLICES * warp; i < 10; i += 8 * SLICES) {
       int r, c;
       rtk_dg_tile(i, r, c);
       if (16 * r >= len) continue;  // rows past the sequence
@@ -255,5 +259,5 @@ rtk_chunk_decay_grad_f32(const float* __restrict__ q, const float* __restrict__ 
   }
 
   rtk_dg_finish(frag, w_acc, grad_state, scale, wconst, acc1, acc2, acci, red,
-                partial + ((rtk_i64)cta.b * gridDim.y + blockIdx.y) * p.H + cta.h);
+                partial + (((rtk_i64)cta.b * gridDim.y + blockIdx.y) * SLICES + blockIdx.z) * p.H + cta.h);
 }

@@ -40,9 +40,11 @@ cores' adder truncates, which compounds over a long sequence when S itself is th
 
 Work per CTA and chunk: four KMAX x BV x 64 products (the two over k and v in one pass) and the
 causal block of two 64 x 64 score matrices (q k^T over KMAX, recomputed for each value tile;
-do v^T over BV): about one forward pass. Memory: a ``[B, tiles, H]`` fp32 buffer. The chunks of a (batch, head) are walked in one
-CTA (no split-sequence strategy), so few (batch, head) pairs with a long sequence leave
-multiprocessors idle.
+do v^T over BV): about one forward pass. Memory: a ``[B, tiles, H]`` fp32 buffer. The chunks of
+a (batch, head) are walked in one CTA (no split-sequence strategy), so few (batch, head) pairs
+with a long sequence leave multiprocessors idle; where they are very few, the float32 kernel
+lets two CTAs share a walk, each with half the state's rows (:func:`kernel_config_f32`, SLICES;
+the buffer is then ``[B, 2 tiles, H]``).
 
 **Inside the dq pass.** Where the backward's dq pass runs the wgmma kernel in bf16
 (:func:`dq_pass_sums`), that pass computes the same sum instead of this kernel, with no second walk
@@ -121,23 +123,30 @@ def smem_bytes(kmax: int, bv: int) -> int:
     return 2 * 2 * CHUNK * (2 * (kmax + 8) + 2 * (bv + 8))
 
 
-def kernel_config_f32(dk: int, dv: int, vec: bool, exact: bool, few_ctas: bool = False
-                      ) -> tuple[int, int, int, bool, bool]:
-    """Template arguments (KMAX, BV, STAGES, EXACT, VEC) of ``rtk_chunk_decay_grad_f32``: KMAX as
-    :func:`kernel_config`'s; BV 64 at KMAX 128 for Dv > 32 unless ``few_ctas`` (64-wide tiles would
-    leave more than half the multiprocessors idle), else 32; two stages of fp32 tiles, one at KMAX
-    256 (shared memory); EXACT: 3xTF32 (the "exact" mode). H100, fp32 "exact", D = 128, µs of
-    the 32-wide two-stage / one-stage (two CTAs a multiprocessor) / 64-wide tiles: 420 / 351 / 300
-    at (2, 32, 1024), 3242 / 2669 / 2310 at (4, 32, 4096), 3187 / 3436 / 4554 at (1, 32, 16384)."""
+def kernel_config_f32(dk: int, dv: int, vec: bool, exact: bool, few_ctas: bool = False, fewer_ctas: bool = False
+                      ) -> tuple[int, int, int, int, bool, bool]:
+    """Template arguments (KMAX, BV, STAGES, SLICES, EXACT, VEC) of ``rtk_chunk_decay_grad_f32``: KMAX
+    as :func:`kernel_config`'s; at KMAX 128 and Dv > 32, 64-wide value tiles in two stages unless
+    ``few_ctas`` (64-wide tiles would leave more than half the multiprocessors idle); with
+    ``fewer_ctas`` (32-wide ones would too) 32-wide tiles in one stage with the state's rows in two
+    slices, each walked by its own CTA, two CTAs a multiprocessor; elsewhere BV 32 in two stages (one
+    at KMAX 256: shared memory). EXACT: 3xTF32 (the "exact" mode). H100, fp32 "exact", D = 128, µs:
+    32-wide two-stage / one-stage (two CTAs a multiprocessor) / 64-wide tiles (the first version)
+    420 / 351 / 300 at (2, 32, 1024), 3242 / 2669 / 2310 at (4, 32, 4096), 3187 / 3436 / 4554 at
+    (1, 32, 16384); 32-wide two-stage / sliced 1470 / 1045 at (1, 8, 8192), 2913 / 2283 at
+    (1, 16, 16384), 2990 / 3140 at (1, 32, 16384)."""
     kmax = 64 if dk <= 64 else 128 if dk <= 128 else 256
+    if kmax == 128 and fewer_ctas:
+        return kmax, 32, 1, 2, exact, vec
     bv = 64 if kmax == 128 and dv > 32 and not few_ctas else 32
-    return kmax, bv, 2 if kmax <= 128 else 1, exact, vec
+    return kmax, bv, 2 if kmax <= 128 else 1, 1, exact, vec
 
 
-def all_configs_f32() -> list[tuple[int, int, int, bool, bool]]:
+def all_configs_f32() -> list[tuple[int, int, int, int, bool, bool]]:
     """Every instance :func:`kernel_config_f32` can ask for."""
-    return sorted({kernel_config_f32(dk, dv, vec, exact, few) for dk in (64, 128, 256) for dv in (32, 64)
-                   for vec in (False, True) for exact in (False, True) for few in (False, True)})
+    return sorted({kernel_config_f32(dk, dv, vec, exact, few, fewer) for dk in (64, 128, 256) for dv in (32, 64)
+                   for vec in (False, True) for exact in (False, True) for few in (False, True)
+                   for fewer in (False, True)})
 
 
 def name_expression_f32(config: tuple) -> str:
@@ -151,14 +160,14 @@ def smem_bytes_f32(kmax: int, bv: int, stages: int) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(dtype: torch.dtype, dk: int, dv: int, vec: bool, few_ctas: bool = False, exact: bool = True
-          ) -> tuple[str, str, int, int]:
-    """(source, name expression, BV, dynamic shared memory)."""
+def _plan(dtype: torch.dtype, dk: int, dv: int, vec: bool, few_ctas: bool = False, exact: bool = True,
+          fewer_ctas: bool = False) -> tuple[str, str, int, int, int]:
+    """(source, name expression, BV, row slices, dynamic shared memory)."""
     if dtype == torch.float32:
-        kmax, bv, stages, *_ = config = kernel_config_f32(dk, dv, vec, exact, few_ctas)
-        return SOURCE_F32, name_expression_f32(config), bv, smem_bytes_f32(kmax, bv, stages)
+        kmax, bv, stages, slices, *_ = config = kernel_config_f32(dk, dv, vec, exact, few_ctas, fewer_ctas)
+        return SOURCE_F32, name_expression_f32(config), bv, slices, smem_bytes_f32(kmax, bv, stages)
     config = kernel_config(dtype, dk, dv, vec, few_ctas)
-    return SOURCE, name_expression(config), config[2], smem_bytes(config[1], config[2])
+    return SOURCE, name_expression(config), config[2], 1, smem_bytes(config[1], config[2])
 
 
 def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
@@ -182,18 +191,19 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     q, k, v, grad_out = unit_stride(q, k, v, grad_out)
     vec = all(aligned(x) for x in (q, k, v, grad_out))
     dev = q.device.index
-    ctas = b * h * -(-dv // 64)  # with 64-wide value tiles
-    few = ctas * (2 if q.dtype == torch.float32 else 1) <= _sm_count(dev)
-    source, name, bv, smem = _plan(q.dtype, dk, dv, vec, few, fp32_precision == "exact")
+    sms, f32 = _sm_count(dev), q.dtype == torch.float32
+    few = b * h * -(-dv // 64) * (2 if f32 else 1) <= sms  # CTAs with 64-wide value tiles
+    fewer = f32 and b * h * -(-dv // 32) * 2 <= sms        # with 32-wide ones
+    source, name, bv, slices, smem = _plan(q.dtype, dk, dv, vec, few, fp32_precision == "exact", fewer)
     fn = get_function(source, name, dev, dynamic_smem=smem)
     tiles = -(-dv // bv)
     s0, g = (None if x is None else x.to(torch.float32).contiguous() for x in (initial_state, grad_state))
     decay, mode = log_decay.kernel_arg()
-    partial = torch.empty(b, tiles, h, dtype=torch.float32, device=q.device)
+    partial = torch.empty(b, tiles * slices, h, dtype=torch.float32, device=q.device)
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_out.data_ptr(), decay,
             0 if s0 is None else s0.data_ptr(), 0 if g is None else g.data_ptr(), partial.data_ptr(),
             *fwd_tail(q, k, v, grad_out, float(scale), mode))
-    launch(fn, (b * h, tiles, 1), (256, 1, 1), args, dev, shared_mem=smem, pointers=8)  # then rtk_fwd_shape
+    launch(fn, (b * h, tiles, slices), (256, 1, 1), args, dev, shared_mem=smem, pointers=8)  # then rtk_fwd_shape
     return sum_partials(partial, log_decay, for_source)
 
 
