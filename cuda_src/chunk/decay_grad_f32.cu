@@ -5,7 +5,10 @@
 // fixed-order sums are rtk_chunk_decay_grad's (decay_grad.cu has them; dlog.cuh the shared
 // pieces). What differs is how an operand reaches the tensor cores:
 // - q, k, v, do sit in shared memory as fp32 (cp.async or element by element, zero-filled past Dk,
-//   Dv and N), STAGES deep (two where they fit, one at KMAX 256).
+//   Dv and N), STAGES deep (two where they fit, one at KMAX 256 and with row slices).
+// - Each chunk's k^T v sums start from zero and join S and W by fp32 FMAs: the tensor cores' adder
+//   truncates, and with S as the mma accumulator that bias compounds over a long sequence.
+// - Where CTAs are very few, SLICES = 2 CTAs share a walk, each with half the state's rows.
 // - A per-token weight multiplies its operand in fp32, and the product is then split for the mma:
 //   EXACT (3xTF32, the "exact" mode) as hi + lo, each product lo*hi' + hi*lo' + hi*hi' (about 20
 //   significant bits, include/tf32.cuh); otherwise rounded once to TF32 (the "tf32" mode). The 16-bit
