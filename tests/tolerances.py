@@ -95,8 +95,9 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
 ROW_REL = {torch.float64: 1e-10, torch.float32: 3e-5, "tf32": 2e-3, torch.float16: 1.5e-3, torch.bfloat16: 1.25e-2}
 #: Relative error allowed for d(decay) when the inputs have a positive mean, so that no term of
 #: dlog(gamma) cancels another (the tests of wrong powers): measured below 6e-6 (fp16, the
-#: dlog(gamma) kernel) and 2e-7 (fp32, the torch formula) on the same run; float32 grows like the
-#: global tolerance. "tf32": float32 in that mode, the kernel on fp16 copies (fp16's tolerance).
+#: dlog(gamma) kernel) and 2e-7 (fp32, then the torch formula, now the float32 kernel's 3xTF32) on
+#: the same run; float32 grows like the global tolerance. "tf32": float32 in that mode, the float32
+#: kernel with one TF32 product (fp16's 10-bit significand, fp16's tolerance).
 DECAY_REL = {torch.float32: 2e-5, "tf32": 1e-4, torch.float16: 1e-4, torch.bfloat16: 3e-3}
 #: A test that claims to catch a mutant (a wrong power of gamma) needs the mutant's fp64 output at
 #: least this many tolerances away from the truth: the kernel's own error is below one tolerance,
