@@ -299,13 +299,7 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
         rtk_mma16816<DT>(dp[0], a, bb[0], bb[1]);
         rtk_mma16816<DT>(dp[1], a, bb[2], bb[3]);
       }
-      #pragma unroll
-      for (int j = 0; j < 2; ++j)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int d = (16 * r + g + (e >> 1) * 8) - (16 * c + 8 * j + 2 * t4 + (e & 1));  // t - s
-          if (d >= 0) acci = fmaf(p[j][e] * dp[j][e], dtab[d], acci);
-        }
+      acci = rtk_dg_intra(p, dp, r, c, g, t4, dtab, acci);
     }
   }
 

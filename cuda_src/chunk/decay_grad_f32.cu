@@ -251,13 +251,7 @@ rtk_chunk_decay_grad_f32(const float* __restrict__ q, const float* __restrict__ 
       rtk_dg_zero(dp);
       rtk_dgf_scores<EXACT, KMAX>(sc, sQ, sK, kt_used, 16 * r, 16 * c, g, t4);  // q_t . k_s
       rtk_dgf_scores<EXACT, BV>(dp, sD, sV, vt_used, 16 * r, 16 * c, g, t4);    // do_t . v_s, the tile's columns
-      #pragma unroll
-      for (int j = 0; j < 2; ++j)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int d = (16 * r + g + (e >> 1) * 8) - (16 * c + 8 * j + 2 * t4 + (e & 1));  // t - s
-          if (d >= 0) acci = fmaf(sc[0][j][e] * dp[0][j][e], dtab[d], acci);
-        }
+      acci = rtk_dg_intra(sc[0], dp[0], r, c, g, t4, dtab, acci);
     }
   }
 

@@ -164,6 +164,21 @@ __device__ __forceinline__ void rtk_dg_tile(int i, int& r, int& c) {
   c = i - r * (r + 1) / 2;
 }
 
+// The intra term of tile (r, c) of the causal block: sum over s <= t of p_ts dp_ts (t - s) gamma^(t-s)
+// (dtab) from its two 16 x 8 score fragments (q_t . k_s and do_t . v_s, mma layout). s > t is a
+// select (an Inf score there must not make NaN); s = t a product with weight 0 (NaN reaches the sum).
+__device__ __forceinline__ float rtk_dg_intra(const float (&p)[2][4], const float (&dp)[2][4], int r, int c, int g,
+                                              int t4, const float* dtab, float acc) {
+  #pragma unroll
+  for (int j = 0; j < 2; ++j)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int d = (16 * r + g + (e >> 1) * 8) - (16 * c + 8 * j + 2 * t4 + (e & 1));  // t - s
+      if (d >= 0) acc = fmaf(p[j][e] * dp[j][e], dtab[d], acc);
+    }
+  return acc;
+}
+
 // The end of the walk: <G, W_end> over the warp's real state elements, the scale and the
 // normalisers (acc1 = sum <S, A1'>, acc2 = sum <W, A2'>, acci the intra term), then the CTA's sum
 // in a fixed order (warp shuffles, then warps 0..7 through shared memory, no atomics), written by

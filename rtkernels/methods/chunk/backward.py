@@ -261,7 +261,7 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
                     ) -> Grads:
     """A :data:`~rtkernels.autograd.BackwardImpl`: the three forward passes of the module
     docstring (float32: the kernel in ``fp32_precision``'s mode), the G terms and dlog(gamma) (its
-    kernel where the passes run the 16-bit chunk kernel or the float32 one in "tf32" mode, else
+    kernel, in the same mode, where the passes run the chunk kernel, else
     :func:`~rtkernels.autograd.log_decay_grad`). dq, dk, dv in the input dtype where the kernel
     runs, else in the compute dtype; dS_0 and dlog(gamma) in the compute dtype.
 
