@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=2 examples/context_parallel.py [--tokens N] [--heads H] [--dim D]
         [--batch B] [--dtype bfloat16|float16|float32|float64] [--reps R] [--check] [--single]
-        [--train-decay]
+        [--train-decay] [--state-loss]
 
 On GPUs every rank takes the GPU of its LOCAL_RANK and the group uses NCCL; without a GPU the
 ranks run on the CPU over gloo. The sequence of N tokens is cut into one contiguous piece per
@@ -11,13 +11,16 @@ any rank can draw any piece) and calls ``rtkernels.distributed.context_parallel_
 with RetNet's per-head decays and ``return_state=True``.
 
 Printed by rank 0: the forward and forward + backward times (median over the repetitions, the
-slowest rank's) and on GPUs each rank's peak memory during forward + backward.
+slowest rank's) and on GPUs each rank's peak memory during forward + backward. The timed loss is
+the output's (what a model trains with); ``--state-loss`` adds the final state's, whose gradient
+then flows back through the exchange.
 
 ``--single`` also times the single-device call on the whole sequence (every rank runs it on its
 own device at the same time, so each number is one device's) and prints the speedup; the whole
 sequence and its gradients must fit one device. ``--check`` compares every rank's output, the
 final state and the gradients of q, k, v (and of the decay with ``--train-decay``) with that
-single-device call and exits with status 1 when a relative error exceeds the dtype's tolerance.
+single-device call and exits with status 1 when a relative error exceeds the dtype's tolerance;
+it always takes the loss on both the output and the final state.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def parse(argv: list[str], on_gpu: bool) -> argparse.Namespace:
     p.add_argument("--check", action="store_true", help="compare with the single-device call on the whole sequence")
     p.add_argument("--single", action="store_true", help="time the single-device call on the whole sequence too")
     p.add_argument("--train-decay", action="store_true", help="the decay tensor requires grad")
+    p.add_argument("--state-loss", action="store_true", help="the timed loss uses the final state too")
     return p.parse_args(argv)
 
 
@@ -128,14 +132,16 @@ def run(args: argparse.Namespace, device: torch.device) -> int:
     def forward() -> tuple[torch.Tensor, torch.Tensor]:
         return context_parallel_attention(q, k, v, decay, scale=scale, return_state=True, lengths=lengths)
 
-    def train_step() -> tuple:
+    def train_step(state_loss: bool = args.state_loss) -> tuple:
         out, state = forward()
         wrt = (q, k, v, decay) if args.train_decay else (q, k, v)
-        return (out, state) + torch.autograd.grad(((out * mine["go"]).sum(), (state * gs).sum()), wrt)
+        loss = (out * mine["go"]).sum() + ((state * gs).sum() if state_loss else 0)
+        return (out, state) + torch.autograd.grad(loss, wrt)
 
     if rank == 0:
         print(f"context parallel over {world} ranks ({device.type}, {dist.get_backend()}): B={b} H={h} N={n} "
-              f"(pieces {lengths}) D={d} {args.dtype}, decay {'trained' if args.train_decay else 'fixed'}")
+              f"(pieces {lengths}) D={d} {args.dtype}, decay {'trained' if args.train_decay else 'fixed'}, "
+              f"loss on the output{' and the final state' if args.state_loss else ''}")
     with torch.no_grad():
         fwd_ms = timed(forward, args.reps, device)
     if device.type == "cuda":
@@ -161,10 +167,11 @@ def run(args: argparse.Namespace, device: torch.device) -> int:
         def single_forward() -> tuple[torch.Tensor, torch.Tensor]:
             return rtkernels.causal_linear_attention(wq, wk, wv, wdecay, scale=scale, return_state=True)
 
-        def single_step() -> tuple:
+        def single_step(state_loss: bool = args.state_loss) -> tuple:
             out, state = single_forward()
             wrt = (wq, wk, wv, wdecay) if args.train_decay else (wq, wk, wv)
-            return (out, state) + torch.autograd.grad(((out * whole["go"]).sum(), (state * gs * world).sum()), wrt)
+            loss = (out * whole["go"]).sum() + ((state * gs * world).sum() if state_loss else 0)
+            return (out, state) + torch.autograd.grad(loss, wrt)
 
         if args.single:
             with torch.no_grad():
@@ -181,8 +188,8 @@ def run(args: argparse.Namespace, device: torch.device) -> int:
                       + ("" if device.type != "cuda" else f"   peak memory {max(p[0] for p in peaks) / one_peak:.2f}x"
                          " of one device's"))
         if args.check:
-            got = train_step()
-            ref = single_step()
+            got = train_step(True)
+            ref = single_step(True)
             start = sum(lengths[:rank])
             sl = slice(start, start + lengths[rank])
             names = ["output", "final state", "dq", "dk", "dv"] + (["d(decay)"] if args.train_decay else [])

@@ -12,7 +12,9 @@ since the state recurrence composes associatively: a piece maps its entering sta
 ``gamma^n E + C``. The output of piece r is the single-device call on that piece from E_r,
 ``causal_linear_attention(q_r, k_r, v_r, initial_state=E_r)``.
 
-Forward, on every rank: (1) C_r by a states-only pass (block-wise batched matmuls, O(n Dk Dv));
+Forward, on every rank: (1) C_r by a states-only pass (O(n Dk Dv): the chunk kernel's states-only
+mode and segment scan where the kernel runs and splits the piece, reading k and v once; elsewhere
+block-wise batched matmuls);
 (2) one all-gather of the ``[B, H, Dk, Dv]`` states C (fp32; fp64 for fp64 inputs); E_r and S_N
 from the gathered states with decay powers formed on the device; (3) one fused pass of
 :func:`rtkernels.causal_linear_attention` from E_r. Backward (``D_r = dL/dE_r`` and ``G_r =
@@ -63,10 +65,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from .api import DTYPES, _check_inputs, _check_scale, _check_state, _log_decay, causal_linear_attention
+from .api import (DTYPES, _check_fp32_precision, _check_inputs, _check_scale, _check_state, _log_decay,
+                  causal_linear_attention)
 from .decay import KIND_FACTOR, KIND_RATE, LogDecay
 from .jit.dtypes import compute_dtype
 from .methods._torch_common import decay_powers
+from .methods.chunk.backward import kernel_runs
+from .methods.chunk.launch import kernel_final_state
 
 __all__ = ["context_parallel_attention", "BLOCK_BYTES"]
 
@@ -123,6 +128,18 @@ def _piece_state(k: torch.Tensor, v: torch.Tensor, lg: torch.Tensor, cdt: torch.
         kw = (k[:, :, a:e] * _to_end(lg, n, a, e).to(low)).reshape(b * h, e - a, dk)
         state += _product(kw.transpose(-1, -2), v[:, :, a:e].reshape(b * h, e - a, dv), cdt)
     return state.view(b, h, dk, dv)
+
+
+def _own_state(k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, lg: torch.Tensor,
+               cdt: torch.dtype) -> torch.Tensor:
+    """:func:`_piece_state`, by the chunk kernel where it runs on these views and splits the piece
+    (:func:`~rtkernels.methods.chunk.launch.kernel_final_state`: k and v read once, no weighted copy;
+    float32 in torch's float32 matmul mode, as the fused pass's default), else by batched matmuls."""
+    if kernel_runs(k, k, v) and k.stride(-1) == v.stride(-1) == 1:
+        state = kernel_final_state(k, v, log_decay, _check_fp32_precision(None))
+        if state is not None:
+            return state.to(cdt)
+    return _piece_state(k, v, lg, cdt)
 
 
 def _piece_state_backward(k: torch.Tensor, v: torch.Tensor, lg: torch.Tensor, g: torch.Tensor,
@@ -244,7 +261,7 @@ def _forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec
     lg = plan.log_decay.tensor(cdt)
     kv, vv = _bhnd(k, plan.layout), _bhnd(v, plan.layout)
     starts, r = plan.starts, plan.rank
-    own = _piece_state(kv, vv, lg, cdt)
+    own = _own_state(kv, vv, plan.log_decay, lg, cdt)
     s0 = None if s_init is None else s_init.detach().to(cdt)
     if s0 is not None:
         own = own + _power(lg, plan.lengths[0]) * s0

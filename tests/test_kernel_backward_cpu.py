@@ -68,6 +68,42 @@ def test_matches_torch_backward(n, sizes, states, scale):
         assert_close(x, r, F64, f"d{name} n={n} {sizes} {states} scale={scale}", n=n)
 
 
+#: Decays at the edges of the final-state gradient's route (backward.py: X = G / (scale gamma) as
+#: the reversed passes' initial state): 1e-45 is below fp64's eps^2 (its G terms on the last token
+#: only), 1e-20 above it but below fp32's, and 0.9 where a wrong power of gamma shows.
+EDGE_GAMMAS = (1e-45, 1e-20, 0.9, 1.0)
+
+
+@pytest.mark.parametrize("dtype", (F64, torch.float32), ids=str)
+@pytest.mark.parametrize("scale", (1e6, 3e-6, 1e-7, -0.5), ids=lambda s: f"scale={s:g}")
+@pytest.mark.parametrize("n", (1, 65, 130))
+def test_final_state_gradient_at_the_edges(n, scale, dtype):
+    """The G terms where they ride on the reversed passes (|scale| >= 2^-20: huge, tiny and negative
+    scales) and where they are torch products (1e-7), with heads whose gamma is too small to divide by
+    in the compute dtype: kernel_backward equals torch_backward."""
+    q, k, v, g, s0, g_state = (None if x is None else x.to(dtype)
+                               for x in backward_inputs(n, 2, len(EDGE_GAMMAS), n, 16, 40, True, True))
+    ld = LogDecay(torch.device("cpu"), host=tuple(math.log(x) for x in EDGE_GAMMAS))
+    got = kernel_backward(q, k, v, ld, scale, s0, g, g_state, True, False)
+    want = rk_autograd.torch_backward(q, k, v, ld, scale, s0, g, g_state, True, False)
+    for name, x, r in zip(NAMES[:4], got, want):
+        assert_close(x, r, dtype, f"d{name} n={n} scale={scale} {dtype}", n=n)
+
+
+def test_nan_in_the_final_state_gradient_stays_in_its_head():
+    """NaN in one head's G makes that head's dk, dv and dS_0 NaN (never a plausible number) and leaves
+    the other heads' gradients as they were."""
+    q, k, v, g, s0, g_state = backward_inputs(3, 1, len(GAMMAS), 65, 16, 40, True, True)
+    ld = _log_decay()
+    clean = kernel_backward(q, k, v, ld, 0.5, s0, g, g_state, True, False)
+    g_state[0, 1, 3, 5] = float("nan")
+    got = kernel_backward(q, k, v, ld, 0.5, s0, g, g_state, True, False)
+    for name, x, r in zip(("k", "v", "initial_state"), got[1:4], clean[1:4]):
+        assert x[:, 1].isnan().any(), f"d{name}: the NaN of G does not show"
+        others = [0, 2, 3]
+        assert torch.equal(x[:, others], r[:, others]), f"d{name}: NaN reached another head"
+
+
 def _grads(fn, leaves: list[torch.Tensor], w: torch.Tensor, ws: Optional[torch.Tensor]) -> tuple:
     out, state = fn(*leaves)
     loss = (out * w).sum() + ((state * ws).sum() if ws is not None else 0)

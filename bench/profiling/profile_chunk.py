@@ -5,14 +5,16 @@
 
 CASE: mid (4,32,4096,128) bf16, long (1,32,16384,128) bf16, f32 (4,32,4096,128) fp32 exact,
 tf32 (same, TF32 mode), dgrad (mid bf16 forward + backward with a trainable CUDA decay: the
-dlog(gamma) kernel). bench/profiling/ncu_chunk.sh runs ncu over each case and calls ``top``.
+dq pass that sums dlog(gamma)), dlog-f32 / dlog-tf32 (the float32 dlog(gamma) kernel alone at mid,
+"exact" / "tf32"). bench/profiling/ncu_chunk.sh runs ncu over each case and calls ``top``.
 """
 import csv
 import sys
 
 CASES = {"mid": ((4, 32, 4096, 128), "bfloat16", "exact"), "long": ((1, 32, 16384, 128), "bfloat16", "exact"),
          "f32": ((4, 32, 4096, 128), "float32", "exact"), "tf32": ((4, 32, 4096, 128), "float32", "tf32"),
-         "dgrad": ((4, 32, 4096, 128), "bfloat16", "exact")}
+         "dgrad": ((4, 32, 4096, 128), "bfloat16", "exact"),
+         "dlog-f32": ((4, 32, 4096, 128), "float32", "exact"), "dlog-tf32": ((4, 32, 4096, 128), "float32", "tf32")}
 
 
 def run(case: str) -> None:
@@ -25,6 +27,16 @@ def run(case: str) -> None:
     torch.manual_seed(0)
     q, k = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) / d ** 0.5 for _ in range(2))
     v = torch.randn(b, h, n, d, device="cuda", dtype=dtype)
+    if case.startswith("dlog"):
+        from rtkernels.decay import KIND_FACTOR, LogDecay
+        from rtkernels.methods.chunk.decay_grad import kernel_log_decay_grad
+
+        log_decay = LogDecay(q.device, raw=torch.full((h,), 0.99, device="cuda"), kind=KIND_FACTOR)
+        g = torch.randn_like(v)
+        for _ in range(3):
+            kernel_log_decay_grad(q, k, v, log_decay, 1.0, None, g, None, fp32_precision=prec)
+        torch.cuda.synchronize()
+        return
     if case == "dgrad":
         leaves = [x.requires_grad_() for x in (q, k, v)]
         decay = torch.full((h,), 0.99, device="cuda", requires_grad=True)

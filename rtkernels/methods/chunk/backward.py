@@ -20,8 +20,14 @@ from the end). Differentiating ``L = sum_i g_i . o_i + <G, S_N>``::
     dv_j = scale sum_{i>=j} gamma^(i-j) (k_j . q_i) g_i + gamma^(N-1-j) k_j G        = R(k, q, g)_j + ...
     dS_0 = scale sum_i gamma^(i+1) q_i^T g_i + gamma^N G     = scale gamma (final state of R(k, q, g)) + gamma^N G
 
-The G terms are batched products times the powers gamma^(N-1-j), added in torch operations; no
-term is ever divided by gamma or by scale (gamma may be 1e-6 and scale 0). dlog(gamma), for a
+The G terms come free from the reversed passes: R's initial state X enters as scale gamma^(N-j)
+x_j X, so ``X = G / (scale gamma)`` (per head) gives gamma^(N-1-j) v_j G^T in dk, gamma^(N-1-j) k_j G
+in dv, and gamma^N G in dS_0 through R's final state, with no pass over the sequence of their own
+(before, they were batched products in torch operations: at (1, 32, 262144, 128) bf16 they took
+more time than the three passes). Where that quotient is unsafe it is not formed:
+|scale| < :data:`STATE_GRAD_MIN_SCALE` (0 included) keeps the torch products, and a head whose
+gamma is below the compute dtype's eps^2 (:func:`_state_grad_entry`) takes its G terms on the last
+token only, the only token where they are not below eps^2 of that token's. dlog(gamma), for a
 trainable decay, is summed by the dq pass itself where that pass runs the wgmma kernel in bf16
 (:func:`rtkernels.methods.chunk.decay_grad.dq_pass_sums`; the same sum, no second walk over the
 sequence), else it is one more kernel where the passes run the chunk kernel:
@@ -51,8 +57,9 @@ accumulation and state, outputs rounded to the input dtype; in fp16 the products
 scores of the dq pass) are rounded to fp16 as the forward's q . k are, so a very large incoming
 gradient (loss scaling near fp16's range) can overflow there. dq, dk, dv come back in the input
 dtype (:class:`~rtkernels.autograd.Grads` allows it): the Function rounds gradients to the input
-dtype anyway, and fp32 copies would triple the backward's memory; the G terms are added in fp32
-and rounded once into them. dS_0 and dlog(gamma) are fp32; the dlog(gamma) kernel takes the 16-bit
+dtype anyway, and fp32 copies would triple the backward's memory; the G terms come with the
+reversed passes' other state terms (G / (scale gamma) in their fp32 state, its 16-bit copy in the
+products), or, where torch adds them, in fp32 rounded once into the gradients. dS_0 and dlog(gamma) are fp32; the dlog(gamma) kernel takes the 16-bit
 inputs as they are, rounds each operand it weights by a power of gamma once to 16 bits, and
 accumulates in fp32 (about the accuracy of the other gradients, far better where its terms do not
 cancel).
@@ -62,11 +69,12 @@ contract over Dv (their "keys" are v and g); the launch runs a contraction wider
 takes as pieces of key columns whose outputs add up (``launch.KeyPiecesLaunch``).
 
 Work: three forward passes (the dk and dv passes' reads shared where they run as one walk), plus
-O(N Dk Dv) for the G terms, plus for a trainable decay the
+O(Dk Dv) per (batch, head) for the G terms (O(N Dk Dv) where torch adds them), plus for a trainable decay the
 dlog(gamma) kernel, O(N C (Dk + Dv) + N Dk Dv) (about one more forward pass; inside the dq pass,
 about half of one). Memory: the three
 gradients (each written in place by its pass), a ``[B, H, Dk, Dv]`` fp32 final state and
-transposed S_0, the G terms in token blocks (three fp32 ``[B, H, N/8, D]`` temporaries at most),
+transposed S_0, G / (scale gamma) (where torch adds the G terms: token blocks, three fp32
+``[B, H, N/8, D]`` temporaries at most),
 and for a trainable decay a ``[B, Dv/BV, H]`` fp32 buffer of partial sums (where the torch formula
 runs instead: its temporaries, at most :data:`~rtkernels.autograd.DECAY_GRAD_BYTES`). No
 per-token state is ever formed.
@@ -92,8 +100,13 @@ from .torch_path import torch_forward
 __all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "gradient_passes", "kernel_backward", "clear_plans", "supports",
            "register"]
 
-#: The G terms are added over this many token blocks (bounding their fp32 temporaries).
+#: The G terms are added over this many token blocks (bounding their fp32 temporaries), where they
+#: are torch products (|scale| < :data:`STATE_GRAD_MIN_SCALE`).
 STATE_TERM_BLOCKS = 8
+
+#: Below this |scale| the final-state gradient's terms are torch products over the sequence rather
+#: than the reversed passes' initial state G / (scale gamma) (which would overflow, or divide by 0).
+STATE_GRAD_MIN_SCALE = 2.0 ** -20
 
 
 #: The input dtypes this backward runs the chunk kernel for: the 16-bit kernel, and the float32
@@ -162,12 +175,35 @@ def _add_state_term(dst: torch.Tensor, x: torch.Tensor, m: torch.Tensor, lg: tor
         dst[:, :, rows].add_(to_end[:, rows] * (x[:, :, rows].to(m.dtype) @ m))
 
 
+def _state_grad_entry(grad_state: torch.Tensor, lg: torch.Tensor, scale: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(X, far)``: the final-state gradient G as the reversed passes' initial state, ``X = G /
+    (scale gamma)`` per head in ``lg``'s dtype, and ``far`` (bool ``[H]``): the heads whose gamma is
+    below eps^2 of that dtype, whose X is 0 instead (their G terms before the last token are below
+    eps^2 of the last token's, and the quotient could overflow). NaN in G or in gamma stays NaN."""
+    gamma = torch.exp(lg)
+    far = gamma < torch.finfo(lg.dtype).eps ** 2
+    inv = torch.where(far, torch.zeros_like(gamma), 1.0 / (scale * gamma))
+    return grad_state.to(lg.dtype) * inv.view(-1, 1, 1), far
+
+
+def _add_last_token_terms(dk: torch.Tensor, dv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          g_state: torch.Tensor, far: torch.Tensor) -> None:
+    """The G terms of token N-1 (weight gamma^0) for the ``far`` heads of :func:`_state_grad_entry`:
+    dk += v G^T and dv += k G there, in ``g_state``'s dtype, rounded once into dk and dv."""
+    mask = far.view(-1, 1, 1)
+    zero = torch.zeros((), dtype=g_state.dtype, device=g_state.device)
+    dk[:, :, -1:].add_(torch.where(mask, v[:, :, -1:].to(g_state.dtype) @ g_state.transpose(-1, -2), zero))
+    dv[:, :, -1:].add_(torch.where(mask, k[:, :, -1:].to(g_state.dtype) @ g_state, zero))
+
+
 def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     log_decay: LogDecay, scale: float, initial_state: Optional[torch.Tensor], grad_out: torch.Tensor,
                     grad_state: Optional[torch.Tensor], need_state_grad: bool, dtype: torch.dtype,
                     dlog_partials: Optional[torch.Tensor] = None, dlog_g: Optional[torch.Tensor] = None,
                     forward_states: Optional[tuple[torch.Tensor, tuple]] = None,
-                    fuse_dk_dv: Optional[bool] = False, sequences: int = 0
+                    fuse_dk_dv: Optional[bool] = False, sequences: int = 0,
+                    state_grad_entry: Optional[torch.Tensor] = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
                                Optional[torch.Tensor]]:
     """The three passes of the module docstring, each ``run(q, k, v, log_decay, scale, out,
@@ -185,7 +221,9 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
     state sum q^T g is the dk pass's transposed, also writing R(v, g, q) into dk. None: where
     :func:`.plan.fuses_dk_dv` holds for these buffers (the chunk kernel runs every pass; ``sequences``:
     the number of packed sequences of ``run``'s passes, 0 for none); True: the caller knows it holds
-    (a planned backward repeating one that fused)."""
+    (a planned backward repeating one that fused). ``state_grad_entry``: the reversed passes' initial
+    state (the dv pass's; its transpose the dk pass's), :func:`_state_grad_entry`'s X, or None; R's
+    final state, and so dS_0, then holds the G term gamma^N G too."""
     cdt = compute_dtype(q.dtype)
     dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
@@ -196,13 +234,15 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
         run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, dlog=(q, dlog_partials, dlog_g), **extra)
     if fuse_dk_dv is None:
         fuse_dk_dv = plan.fuses_dk_dv(q, k, v, grad_out, dk, current_overrides(), sequences)
+    entry = state_grad_entry
     if fuse_dk_dv:
-        back = run(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, dual=(v, dk))
+        back = run(k, q, grad_out, log_decay, scale, dv, entry, need_state_grad, True, dual=(v, dk))
     else:
         kept: list = []
-        run(v, grad_out, q, log_decay, scale, dk, None, False, True, keep=kept)
-        dk_states = {"states": kept[0]} if kept else {}
-        back = run(k, q, grad_out, log_decay, scale, dv, None, need_state_grad, True, **dk_states)
+        run(v, grad_out, q, log_decay, scale, dk, None if entry is None else entry.transpose(-1, -2), False, True,
+            keep=kept)
+        dk_states = {"states": kept[0]} if kept else {}  # slot 0: the dk pass's initial state, transposed back
+        back = run(k, q, grad_out, log_decay, scale, dv, entry, need_state_grad, True, **dk_states)
     # log(gamma) in torch only where the state terms need it (a device decay costs several ops)
     lg = log_decay.tensor(cdt) if need_state_grad or grad_state is not None else None
     d_s0 = back.to(cdt) * (scale * torch.exp(lg)).view(-1, 1, 1) if need_state_grad else None
@@ -300,15 +340,24 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
 
     partials = None if sums is None else sums.buffer()
     g_fp32 = None if sums is None or grad_state is None else grad_state.to(torch.float32).contiguous()
+    entry = far = None
+    if grad_state is not None and abs(scale) >= STATE_GRAD_MIN_SCALE:  # the G terms ride on the reversed passes
+        entry, far = _state_grad_entry(grad_state, log_decay.tensor(cdt), scale)
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
                                            need_state_grad, q.dtype if on_kernel else cdt, partials, g_fp32,
-                                           forward_states if on_kernel else None, fuse_dk_dv)
+                                           forward_states if on_kernel else None, fuse_dk_dv,
+                                           state_grad_entry=entry)
     if grad_state is not None:
         g_state = grad_state.to(cdt)
-        _add_state_term(dk, v, g_state.transpose(-1, -2), lg)
-        _add_state_term(dv, k, g_state, lg)
-        if need_state_grad:
-            d_s0 += torch.exp(lg * n).view(-1, 1, 1) * g_state
+        if entry is None:  # |scale| too small to divide by: torch products over the sequence
+            _add_state_term(dk, v, g_state.transpose(-1, -2), lg)
+            _add_state_term(dv, k, g_state, lg)
+            if need_state_grad:
+                d_s0 += torch.exp(lg * n).view(-1, 1, 1) * g_state
+        else:
+            _add_last_token_terms(dk, dv, k, v, g_state, far)
+            if need_state_grad:
+                d_s0 += torch.where(far, torch.exp(lg * n), 0.0).view(-1, 1, 1) * g_state
     d_log, of_source = None, False
     if sums is not None:
         d_log, of_source = sums.total(partials, log_decay.kernel_arg()[0]), True

@@ -17,11 +17,11 @@ from ...jit.tensor_map import TensorMaps
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
 from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE, STATES_SOURCE, Launch, _sm_count,
                    _smem_limit, aligned, current_overrides, dlog_launch, dual_launch, fold_parts, key_pieces,
-                   packed_launch, plan_launch, split, states_config, states_name, states_options, states_smem_bytes,
-                   states_tma, tuned_launch)
+                   override, packed_launch, plan_launch, split, states_config, states_name, states_options,
+                   states_smem_bytes, states_tma, tuned_launch)
 
 __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "pass_launcher",
-           "launch_pass", "transposed_slots", "call_pieces"]
+           "launch_pass", "transposed_slots", "call_pieces", "kernel_final_state"]
 
 
 #: The states kernel's tensor-map parameter for its cp.async instances (never read: zeros).
@@ -238,6 +238,31 @@ class ChunkLaunch:
         self.scan(local.data_ptr(), s_in.data_ptr(), s0p, fp, dp)
         self.fused(qp, kp, vp, op, dp, s_in.data_ptr(), 0)
         return final
+
+
+def kernel_final_state(k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
+                       fp32_precision: str = "exact") -> Optional[torch.Tensor]:
+    """``sum_t gamma^(N-1-t) k_t^T v_t``, the state ``[B, H, Dk, Dv]`` (fp32) that a sequence of
+    ``[B, H, N, D]`` views k, v (unit last stride) reaches from zero, without any output: the split
+    strategy's first two kernels, the fused kernel's states-only mode (each segment's own state;
+    it reads neither q nor the output, so k and v stand in for them) and the segment scan, whose
+    final state this is. Reads k and v once; O(N Dk Dv). None where the plan does not split the
+    sequence into segments or splits the keys (then there is no such pass to run alone)."""
+    b, h, n, dk = k.shape
+    dv = v.shape[-1]
+    if n == 0 or call_pieces(k.dtype, b * h, n, dk, dv, k.device.index)[0] is not None:
+        return None
+    with override(dedicated_states=False):  # the states-only mode and the scan, not the states kernel and a fold
+        lc = ChunkLaunch(k, k, v, log_decay, 1.0, v, True, fp32_precision=fp32_precision)
+    if lc.scan is None:
+        return None
+    local = torch.empty((lc.slots, *lc.state_shape), dtype=torch.float32, device=k.device)
+    entering = torch.empty_like(local)
+    final = torch.empty(lc.state_shape, dtype=torch.float32, device=k.device)
+    kp, vp = k.data_ptr(), v.data_ptr()
+    lc.states(kp, kp, vp, vp, lc.decay_ptr, 0, local.data_ptr())
+    lc.scan(local.data_ptr(), entering.data_ptr(), 0, final.data_ptr(), lc.decay_ptr)
+    return final
 
 
 class KeyPiecesLaunch:
