@@ -18,25 +18,26 @@ block-wise batched matmuls);
 (2) one all-gather of the ``[B, H, Dk, Dv]`` states C (fp32; fp64 for fp64 inputs); E_r and S_N
 from the gathered states with decay powers formed on the device; (3) one fused pass of
 :func:`rtkernels.causal_linear_attention` from E_r. Backward (``D_r = dL/dE_r`` and ``G_r =
-dL/dC_r``): (1) the library's backward of that fused pass with the output gradient only; it
-returns dq, dk, dv, the piece's dlog(gamma) and D_r = scale sum_t gamma^(t+1) q_t^T do_t (the
-initial-state gradient, a by-product of its last pass); (2) one all-gather of D (and of the
-gradient of the returned S_N); ``G_r = sum_{rho > r} gamma^(P_rho - P_{r+1}) D_rho + gamma^(N -
-P_{r+1}) sum_rho dL/dS_N``; (3) the states-only pass differentiated: dk_t += gamma^(P_{r+1}-1-t)
-v_t G_r^T, dv_t += gamma^(P_{r+1}-1-t) k_t G_r (block-wise matmuls, added in place). It is the
-forward in reverse: one small exchange between two O(n) passes.
+dL/dC_r``): (1) D_r = scale sum_t gamma^(t+1) q_t^T do_t by a states-only pass over the reversed
+piece (q and do read once; the chunk kernel where it runs, else batched matmuls); (2) one
+all-gather of D (and of the gradient of the returned S_N); ``G_r = sum_{rho > r} gamma^(P_rho -
+P_{r+1}) D_rho + gamma^(N - P_{r+1}) sum_rho dL/dS_N``; (3) the library's backward of the fused
+pass with G_r as the gradient of its final state ``gamma^(n_r) E_r + C_r``: dq, dk, dv with the
+G_r terms dk_t += gamma^(P_{r+1}-1-t) v_t G_r^T, dv_t += gamma^(P_{r+1}-1-t) k_t G_r (which the
+library's reversed passes take as their initial state, at no extra pass), and the piece's
+dlog(gamma) (less n_r gamma^(n_r) <G_r, E_r> on ranks r > 0, where E_r is not inside C_r). It is
+the forward in reverse: one small exchange between two O(n) passes.
 
 Why a states-only pass and a fused pass from E_r, rather than the fused pass from a zero state
 (which returns C_r for free) followed by adding ``scale gamma^(t+1) q_t E_r`` to the output: both
 add O(n Dk Dv) matmuls, but the correction reads q and re-writes the whole output (its backward
 adds a second dq pass and an E_r-gradient pass, and the library's backward must then also take
 the gradient of C_r, in fp32 products), and it rounds a 16-bit output twice; the states-only
-pass only reads k and v, the fused pass writes the output once, and its backward yields D_r for
-free. Counting HBM traffic in units of one 16-bit ``[B, H, n, D]`` tensor: about 4 extra units
-forward and 14 backward here, against about 5 and at least 25 with the correction. On the CPU, where the
-fused pass dominates, the two measure the same (float32, B = 1, H = 8, n = 8192, D = 64, one
-thread, 15 interleaved rounds on a shared 2-core machine: forward min 75 ms here against 77 ms,
-forward + backward min 447 ms against 459 ms). A second full pass would cost a whole forward.
+pass only reads k and v, the fused pass writes the output once. Counting HBM traffic in units of
+one 16-bit ``[B, H, n, D]`` tensor: 2 extra units forward (k, v) and 2 backward (q, do for D_r),
+against about 5 and at least 25 with the correction. (Until session 20 the backward took D_r from
+the fused pass's backward and added the G_r terms by block-wise matmuls afterwards, about 14 extra
+units: on two H100s at (1, 32, 262144, 128) bf16 that made forward + backward 0.91x one GPU.)
 
 Gradients: q, k, v of every rank, ``initial_state`` (rank 0) and a decay tensor that requires
 grad. q, k, v and ``initial_state`` get the gradient of the sum of every rank's loss (the
@@ -48,9 +49,10 @@ are the whole sequence's gradient.
 Costs per call and rank (S = B H Dk Dv elements of the state, 4 bytes; 8 for fp64): forward: one
 all-gather of S (W S received), plus with ``lengths=None`` one all-gather of 13 integers;
 backward: one all-gather of S, or 2 S with ``return_state``. Extra work over the single-device
-call on the piece: 2 n B H Dk Dv flops forward, 4 n B H Dk Dv backward (tensor cores for 16-bit
-inputs on CUDA, with fp32 results), plus O(W S) for the combines. Extra memory: O(W S) and
-block temporaries of about :data:`BLOCK_BYTES` (256 MiB).
+call on the piece: 2 n B H Dk Dv flops forward and 2 n B H Dk Dv backward (the states-only
+passes: the chunk kernel on CUDA fp16/bf16/fp32 where it splits the piece, else batched matmuls
+on tensor cores for 16-bit inputs, with fp32 results), plus O(W S) for the combines. Extra memory:
+O(W S), and where the matmuls run, block temporaries of about :data:`BLOCK_BYTES` (256 MiB).
 """
 
 from __future__ import annotations
@@ -142,35 +144,6 @@ def _own_state(k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, lg: torch.
     return _piece_state(k, v, lg, cdt)
 
 
-def _piece_state_backward(k: torch.Tensor, v: torch.Tensor, lg: torch.Tensor, g: torch.Tensor,
-                          dk: Optional[torch.Tensor], dv: Optional[torch.Tensor],
-                          need_log: bool) -> Optional[torch.Tensor]:
-    """The backward of :func:`_piece_state` for the state gradient ``g`` (``[B, H, Dk, Dv]``, in the
-    compute dtype): adds gamma^(n-1-t) v_t g^T to ``dk`` and gamma^(n-1-t) k_t g to ``dv`` (views,
-    in place; either may be None) and returns the ``[H]`` dlog(gamma) = sum_t (n-1-t) gamma^(n-1-t)
-    k_t . (v_t g^T) when ``need_log``."""
-    b, h, n, dkw = k.shape
-    dvw = v.shape[-1]
-    cdt = g.dtype
-    gf = g.reshape(b * h, dkw, dvw)
-    d_log = torch.zeros(h, dtype=cdt, device=g.device) if need_log else None
-    step = _blocks(b, h, n, max(dkw, dvw), cdt).step
-    for a in range(0, n, step):
-        e = min(n, a + step)
-        w = _to_end(lg, n, a, e)                                        # [H, T, 1]
-        kb, vb = k[:, :, a:e], v[:, :, a:e]
-        if dk is not None or need_log:
-            vg = _product(vb.reshape(b * h, e - a, dvw), gf.transpose(-1, -2), cdt).view(b, h, e - a, dkw)
-            if dk is not None:
-                dk[:, :, a:e].addcmul_(vg, w)                           # one pass over the block of dk
-            if need_log:
-                steps = torch.arange(n - 1 - a, n - 1 - e, -1, device=g.device, dtype=cdt)
-                d_log += ((kb * vg).sum(-1) * (w[..., 0] * steps)).sum((0, 2))
-        if dv is not None:
-            dv[:, :, a:e].addcmul_(_product(kb.reshape(b * h, e - a, dkw), gf, cdt).view(b, h, e - a, dvw), w)
-    return d_log
-
-
 def _power(lg: torch.Tensor, m: int) -> torch.Tensor:
     """gamma^m per head (m >= 0, a host integer), ``[1, H, 1, 1]``: formed on the device, no copy."""
     return torch.exp(lg * float(m)).view(1, -1, 1, 1)
@@ -204,10 +177,10 @@ class _Plan:
         return [sum(self.lengths[:r]) for r in range(len(self.lengths) + 1)]
 
     def fused_call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: Any,
-                   initial_state: Optional[torch.Tensor]) -> torch.Tensor:
+                   initial_state: Optional[torch.Tensor], return_state: bool = False) -> Any:
         kw = {"decay_rate": decay} if self.is_rate else {"decay": decay}
         return causal_linear_attention(q, k, v, scale=self.scale, layout=self.layout, initial_state=initial_state,
-                                       **kw)
+                                       return_state=return_state, **kw)
 
 
 def _gather_single(out: torch.Tensor, src: torch.Tensor, group: Any) -> None:
@@ -242,11 +215,11 @@ class _Saved:
     """What the backward needs: the fused pass's autograd graph and the states."""
 
     out: torch.Tensor                      # the fused pass's output, with its graph
-    leaves: dict[str, torch.Tensor]        # q, k, v, decay, state: the fused pass's inputs that require grad
-    k: torch.Tensor                        # [B, H, n, D] views
-    v: torch.Tensor
+    final: torch.Tensor                    # its final state gamma^n E_r + C_r, with its graph
+    leaves: dict[str, torch.Tensor]        # q, k, v, decay, state (rank 0): the fused pass's inputs that require grad
+    q: torch.Tensor                        # [B, H, n, Dk] view (D_r's pass)
+    entering: Optional[torch.Tensor]       # E_r in the compute dtype (None: zero)
     parts: Optional[torch.Tensor]          # the gathered C, when the decay needs its gradient
-    s_init: Optional[torch.Tensor]         # rank 0's initial state in the compute dtype
 
 
 def _bhnd(x: torch.Tensor, layout: str) -> torch.Tensor:
@@ -279,14 +252,28 @@ def _forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec
     decay_arg = plan.decay_value
     if decay_source is not None:
         decay_arg = leaves["decay"] = decay_source.detach().requires_grad_()
-    if entering is not None:  # on rank r > 0 its gradient is D_r, the backward's exchange
-        entering.requires_grad_(r > 0 or s_init.requires_grad)
-        leaves["state"] = entering
+    if r == 0 and entering is not None and s_init.requires_grad:  # dS_init: the fused pass's own (ranks r > 0
+        leaves["state"] = entering = entering.detach().requires_grad_()  # take D_r from its own pass instead)
     with torch.enable_grad():
-        out = plan.fused_call(leaves["q"], leaves["k"], leaves["v"], decay_arg, entering)
+        out, fin = plan.fused_call(leaves["q"], leaves["k"], leaves["v"], decay_arg, entering, return_state=True)
     needs = {name: t for name, t in leaves.items() if t.requires_grad}
-    saved = _Saved(out, needs, kv.detach(), vv.detach(), parts if decay_source is not None else None, s0)
+    saved = _Saved(out, fin, needs, _bhnd(q, plan.layout).detach(),
+                   None if entering is None else entering.detach().to(cdt),
+                   parts if decay_source is not None else None)
     return out.detach(), final, saved
+
+
+def _entering_grad(q: torch.Tensor, grad_out: torch.Tensor, plan: _Plan, lg: torch.Tensor,
+                   cdt: torch.dtype) -> torch.Tensor:
+    """D_r = dL/dE_r through the piece's outputs, scale sum_t gamma^(t+1) q_t^T do_t (``[B, H, n,
+    D]`` views), in ``cdt``: the reversed piece's own state (:func:`_own_state`'s pass on the
+    reversed sequence: the kernel where it runs, else batched matmuls on flipped copies)."""
+    own = None
+    if kernel_runs(q, q, grad_out) and q.stride(-1) == grad_out.stride(-1) == 1:
+        own = kernel_final_state(q, grad_out, plan.log_decay, _check_fp32_precision(None), reverse=True)
+    if own is None:
+        own = _piece_state(q.flip(2), grad_out.flip(2), lg, cdt)
+    return own.to(cdt) * (plan.scale * torch.exp(lg)).view(1, -1, 1, 1)
 
 
 class _ContextParallelFunction(torch.autograd.Function):
@@ -311,48 +298,46 @@ class _ContextParallelFunction(torch.autograd.Function):
             raise RuntimeError("context_parallel_attention: the backward ran already for this call (its graph "
                                "is freed after one backward)")
         ctx.saved = None
-        names = list(saved.leaves)
-        got = dict(zip(names, torch.autograd.grad(saved.out, [saved.leaves[x] for x in names], grad_out,
-                                                  allow_unused=True)))
-        kv, vv = saved.k, saved.v
-        cdt = compute_dtype(kv.dtype)
+        qv = saved.q
+        cdt = compute_dtype(qv.dtype)
         lg = plan.log_decay.tensor(cdt)
         starts, r, lengths = plan.starts, plan.rank, plan.lengths
-        b, h, _, dk = kv.shape
-        dv = vv.shape[-1]
-        zero = torch.zeros(b, h, dk, dv, dtype=cdt, device=kv.device)
+        b, h, _, dk = qv.shape
+        dv = saved.final.shape[-1]
+        zero = torch.zeros(b, h, dk, dv, dtype=cdt, device=qv.device)
 
         def value(x: Optional[torch.Tensor]) -> torch.Tensor:
             return zero if x is None else x.to(cdt)
 
-        d_enter = value(got.get("state")) if r > 0 else zero     # D_r
+        # D_r, ahead of the fused pass's backward (rank 0 sends zeros: no rank reads its D)
+        d_enter = _entering_grad(qv, _bhnd(grad_out, plan.layout), plan, lg, cdt) if r > 0 else zero
         payload = torch.stack([d_enter, value(grad_final)]) if plan.return_state else d_enter[None]
         rows = _gather(payload, plan)                                # [W, 1 or 2, B, H, Dk, Dv]
         later = [(rho, starts[rho] - starts[r + 1]) for rho in range(r + 1, len(lengths))]
         g = _combine(rows[:, 0], lg, later)                           # G_r = dL/dC_r
         if plan.return_state:
             g += _power(lg, starts[-1] - starts[r + 1]) * rows[:, 1].sum(0)
+        # the fused pass's backward, G_r as the gradient of its final state gamma^n E_r + C_r
+        names = list(saved.leaves)
+        got = dict(zip(names, torch.autograd.grad((saved.out, saved.final), [saved.leaves[x] for x in names],
+                                                  (grad_out, g.to(saved.final.dtype)), allow_unused=True)))
 
         def grad_of(name: str) -> Optional[torch.Tensor]:
             if name not in saved.leaves:
                 return None
             d = got.get(name)
-            if d is None:  # unreached
-                return torch.zeros_like(saved.leaves[name])
-            return d.clone() if 0 in d.stride() else d  # an expanded gradient (an empty piece) is made writable
+            return torch.zeros_like(saved.leaves[name]) if d is None else d  # None: unreached
 
-        # q's gradient is the fused pass's alone (E_r is an input there); k and v get the G terms too
         dq, dk_, dv_ = (grad_of(name) for name in ("q", "k", "v"))
-        need_decay = "decay" in saved.leaves
-        d_log = _piece_state_backward(kv, vv, lg, g, None if dk_ is None else _bhnd(dk_, plan.layout),
-                                      None if dv_ is None else _bhnd(dv_, plan.layout), need_decay)
         d_init = None
-        if r == 0 and "state" in saved.leaves:  # dS_init = D_0 + gamma^(n_0) G_0
-            d_init = (value(got.get("state")) + _power(lg, lengths[0]) * g).to(saved.leaves["state"].dtype)
+        if r == 0 and "state" in saved.leaves:  # dS_init = D_0 + gamma^(n_0) G_0, from the fused pass
+            d_init = grad_of("state")
         d_decay = None
-        if need_decay:
-            # the combine's own powers: E_r with D_r, the returned state with its gradient, and on
-            # rank 0 gamma^(n_0) S_init inside C_0
+        if "decay" in saved.leaves:
+            # the combine's own powers: E_r with D_r and the returned state with its gradient; on
+            # ranks r > 0 the fused pass's n gamma^n <G_r, E_r> comes off (E_r is not inside C_r,
+            # while on rank 0 gamma^(n_0) S_init is)
+            d_log = torch.zeros(h, dtype=cdt, device=qv.device)
             parts = saved.parts
             for s in range(r):
                 m = starts[r] - starts[s + 1]
@@ -361,8 +346,8 @@ class _ContextParallelFunction(torch.autograd.Function):
                 for s in range(len(lengths)):
                     m = starts[-1] - starts[s + 1]
                     d_log += m * _power(lg, m).view(-1) * _head_dot(grad_final.to(cdt), parts[s])
-            if r == 0 and saved.s_init is not None:
-                d_log += lengths[0] * _power(lg, lengths[0]).view(-1) * _head_dot(saved.s_init, g)
+            if r > 0 and saved.entering is not None:
+                d_log -= lengths[r] * _power(lg, lengths[r]).view(-1) * _head_dot(g, saved.entering)
             source = saved.leaves["decay"]
             chain = LogDecay(source.device, raw=source.detach(), kind=KIND_RATE if plan.is_rate else KIND_FACTOR)
             chain.source_kind = chain.kind

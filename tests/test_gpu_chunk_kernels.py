@@ -107,14 +107,16 @@ def test_states_pass_unaligned(dtype, monkeypatch):
     base.assert_close(state, ref_state, dtype, "unaligned split state")
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=("forward", "reversed"))
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", [(1, 2, 4096, 128, 128), (2, 3, 1000, 40, 72), (1, 2, 700, 256, 64)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_final_state_alone(shape, dtype, layout, monkeypatch):
-    """launch.kernel_final_state (the states-only mode and the segment scan, context parallel's
-    own-state pass) gives the fp64 final state from zero, gamma 0.9 and 0.99 among the heads, in
-    either layout, with no host sync; an unsplit plan answers None."""
+def test_final_state_alone(shape, dtype, layout, reverse, monkeypatch):
+    """launch.kernel_final_state (the states-only mode and the segment scan: context parallel's
+    own-state pass, and reversed its D_r pass) gives the fp64 final state from zero of the sequence
+    (or of the reversed one), gamma 0.9 and 0.99 among the heads, in either layout, with no host
+    sync; an unsplit plan answers None."""
     from rtkernels.decay import KIND_FACTOR, LogDecay
     from rtkernels.methods.chunk.launch import kernel_final_state
 
@@ -129,10 +131,11 @@ def test_final_state_alone(shape, dtype, layout, monkeypatch):
     kv = [x.to(dtype) if layout == "bhnd" else x.to(dtype).transpose(1, 2).contiguous().transpose(1, 2)
           for x in (k, v)]
     force_chunk(monkeypatch, segments=1, key_pieces=False)  # Dk 256 in one pass: key pieces have no such pass
-    assert kernel_final_state(*kv, log_decay) is None
+    assert kernel_final_state(*kv, log_decay, reverse=reverse) is None
     force_chunk(monkeypatch, segments=3, key_pieces=False)
     with no_host_sync():
-        state = kernel_final_state(*kv, log_decay)
-    _, want = base.reference(kv[0], kv[0], kv[1], gammas.float().double())
+        state = kernel_final_state(*kv, log_decay, reverse=reverse)
+    ref_k, ref_v = (x.flip(2) if reverse else x for x in kv)
+    _, want = base.reference(ref_k, ref_k, ref_v, gammas.float().double())
     assert state.dtype == torch.float32 and state.shape == (b, h, dk, dv)
     base.assert_close(state, want, dtype, f"final state alone {shape} {dtype} {layout}")

@@ -241,26 +241,29 @@ class ChunkLaunch:
 
 
 def kernel_final_state(k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
-                       fp32_precision: str = "exact") -> Optional[torch.Tensor]:
+                       fp32_precision: str = "exact", reverse: bool = False) -> Optional[torch.Tensor]:
     """``sum_t gamma^(N-1-t) k_t^T v_t``, the state ``[B, H, Dk, Dv]`` (fp32) that a sequence of
     ``[B, H, N, D]`` views k, v (unit last stride) reaches from zero, without any output: the split
     strategy's first two kernels, the fused kernel's states-only mode (each segment's own state;
     it reads neither q nor the output, so k and v stand in for them) and the segment scan, whose
-    final state this is. Reads k and v once; O(N Dk Dv). None where the plan does not split the
-    sequence into segments or splits the keys (then there is no such pass to run alone)."""
+    final state this is; with ``reverse``, of the reversed sequence: ``sum_t gamma^t k_t^T v_t``.
+    Reads k and v once; O(N Dk Dv). None where the plan does not split the sequence into segments
+    or splits the keys (then there is no such pass to run alone)."""
     b, h, n, dk = k.shape
     dv = v.shape[-1]
     if n == 0 or call_pieces(k.dtype, b * h, n, dk, dv, k.device.index)[0] is not None:
         return None
     with override(dedicated_states=False):  # the states-only mode and the scan, not the states kernel and a fold
-        lc = ChunkLaunch(k, k, v, log_decay, 1.0, v, True, fp32_precision=fp32_precision)
+        lc = ChunkLaunch(k, k, v, log_decay, 1.0, v, True, reverse, fp32_precision=fp32_precision)
     if lc.scan is None:
         return None
     local = torch.empty((lc.slots, *lc.state_shape), dtype=torch.float32, device=k.device)
     entering = torch.empty_like(local)
     final = torch.empty(lc.state_shape, dtype=torch.float32, device=k.device)
-    kp, vp = k.data_ptr(), v.data_ptr()
-    lc.states(kp, kp, vp, vp, lc.decay_ptr, 0, local.data_ptr())
+    ptrs = [x.data_ptr() for x in (k, k, v, v)]
+    if lc.offsets is not None:  # reversed: each tensor from its row N-1
+        ptrs = [p + o for p, o in zip(ptrs, lc.offsets)]
+    lc.states(*ptrs, lc.decay_ptr, 0, local.data_ptr())
     lc.scan(local.data_ptr(), entering.data_ptr(), 0, final.data_ptr(), lc.decay_ptr)
     return final
 
