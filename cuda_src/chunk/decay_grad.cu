@@ -241,11 +241,11 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
         const int cb = c0 + grp * NTG * 8;
         float t_acc[MT][NTG][4];
         // A1' = sum_t (t+1) gamma^(t+1) / n1 q_t^T do_t;  acc1 += <S, A1'>   (old S)
-        rtk_dg_zero(t_acc);
+        rtk_frag_zero(t_acc);
         rtk_dg_product<DT, false, KS, VS>(t_acc, wt + 0 * C, t_acc, 0, nullptr, sQ, sD, ksteps, sr0, cb, lane);
         acc1 += rtk_dg_dot(s_acc, t_acc, grp * NTG);
         // A2' = sum_t gamma^t q_t^T do_t;  acc2 += <W, A2'>   (old W)
-        rtk_dg_zero(t_acc);
+        rtk_frag_zero(t_acc);
         rtk_dg_product<DT, false, KS, VS>(t_acc, wt + 1 * C, t_acc, 0, nullptr, sQ, sD, ksteps, sr0, cb, lane);
         acc2 += rtk_dg_dot(w_acc, t_acc, grp * NTG);
         // W = gamma^L (W + L S) + n1 D2' and S = gamma^L S + D1 on this group's columns, with
@@ -262,7 +262,7 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
               w = carry * fmaf(fl, sv, w);
               sv *= carry;
             }
-        rtk_dg_zero(t_acc);
+        rtk_frag_zero(t_acc);
         rtk_dg_product<DT, true, KS, VS>(t_acc, wt + 2 * C, s_acc, grp * NTG, wt + 3 * C, sK, sV, ksteps, sr0, cb, lane);
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt)

@@ -164,7 +164,7 @@ rtk_chunk_decay_grad_f32(const float* __restrict__ q, const float* __restrict__ 
   const rtk_chunk_state<MT, NT> frag = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, 0};
   float s_acc[MT][NT][4], w_acc[MT][NT][4];
   frag.load(s_acc, init_state);
-  rtk_dg_zero(w_acc);
+  rtk_frag_zero(w_acc);
 
   // The token weights in fp32: wtab[0] for full chunks, wtab[1] for a shorter last one, rows A1',
   // A2', D2', D1 (rtk_dg_weight); the constants of rtk_dg_constants. The chunk loop's first
@@ -214,16 +214,16 @@ rtk_chunk_decay_grad_f32(const float* __restrict__ q, const float* __restrict__ 
         float t_acc[MT][NTG][4], d_acc[MT][NTG][4];
         // A1' (t_acc) and A2' (d_acc) in one pass over q and do: acc1 += <S, A1'>, acc2 += <W, A2'>
         // (old S and W)
-        rtk_dg_zero(t_acc);
-        rtk_dg_zero(d_acc);
+        rtk_frag_zero(t_acc);
+        rtk_frag_zero(d_acc);
         rtk_dgf_product<EXACT, true, KMAX, BV>(t_acc, wt + 0 * C, d_acc, wt + 1 * C, sQ, sD, ksteps, sr0, cb, g, t4);
         acc1 += rtk_dg_dot(s_acc, t_acc, grp * NTG);
         acc2 += rtk_dg_dot(w_acc, d_acc, grp * NTG);
         // D2' (t_acc) and D1 (d_acc) in one pass over k and v, each from zero: S and W never pass
         // through the tensor cores' adder, which truncates (a bias of about 2^-23 a pass that
         // compounds over the chunks: 1.7e-4 at N = 16384, gamma = 1, when S took D1 by mma)
-        rtk_dg_zero(t_acc);
-        rtk_dg_zero(d_acc);
+        rtk_frag_zero(t_acc);
+        rtk_frag_zero(d_acc);
         rtk_dgf_product<EXACT, true, KMAX, BV>(t_acc, wt + 2 * C, d_acc, wt + 3 * C, sK, sV, ksteps, sr0, cb, g, t4);
         // W = gamma^L (W + L S) + n1 D2' (the old S), S = gamma^L S + D1
         #pragma unroll
@@ -247,8 +247,8 @@ rtk_chunk_decay_grad_f32(const float* __restrict__ q, const float* __restrict__ 
       rtk_dg_tile(i, r, c);
       if (16 * r >= len) continue;  // rows past the sequence
       float sc[1][2][4], dp[1][2][4];
-      rtk_dg_zero(sc);
-      rtk_dg_zero(dp);
+      rtk_frag_zero(sc);
+      rtk_frag_zero(dp);
       rtk_dgf_scores<EXACT, KMAX>(sc, sQ, sK, kt_used, 16 * r, 16 * c, g, t4);  // q_t . k_s
       rtk_dgf_scores<EXACT, BV>(dp, sD, sV, vt_used, 16 * r, 16 * c, g, t4);    // do_t . v_s, the tile's columns
       acci = rtk_dg_intra(sc[0], dp[0], r, c, g, t4, dtab, acci);

@@ -135,15 +135,6 @@ __device__ __forceinline__ float rtk_dg_constants(int tid, float lg2, int N, int
   return log2n1;
 }
 
-template <int MT, int NT> __device__ __forceinline__ void rtk_dg_zero(float (&x)[MT][NT][4]) {
-  #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-    #pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) x[mt][nt][e] = 0.f;
-}
-
 // <x[:, n0 .. n0 + NG - 1], y> over fragments (fp32): y holds the NG n-tiles of x from n0 on (n0
 // a constant after unrolling, so x stays in registers).
 template <int MT, int NT, int NG>

@@ -386,12 +386,7 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
       }
       // delta = (K * w)^T V, w_s = gamma^(len-1-s), over 8-token k-steps s0 = 8 kk
       float d_acc[MT][HT][4];
-      #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-        #pragma unroll
-        for (int nt = 0; nt < HT; ++nt)
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) d_acc[mt][nt][e] = 0.f;
+      rtk_frag_zero(d_acc);
       // all_mt: every m-tile of this warp holds rows < Dk (the usual case: no condition around the
       // mma, which would cost a warp sync each); otherwise m-tiles wholly past Dk are skipped
       auto delta_steps = [&](const bool all_mt) {

@@ -12,6 +12,16 @@ template <int MT, int NT> __device__ __forceinline__ void rtk_frag_scale(float (
       for (int e = 0; e < 4; ++e) x[mt][nt][e] *= f;
 }
 
+// Every element of MT x NT accumulator fragments set to zero.
+template <int MT, int NT> __device__ __forceinline__ void rtk_frag_zero(float (&x)[MT][NT][4]) {
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) x[mt][nt][e] = 0.f;
+}
+
 // W = dS/dlog(gamma) before the state's step S <- gamma^len S + (this chunk's keys), which it
 // differentiates: W <- gamma^len (W + len S) (the keys' own term is added with S's).
 template <int MT, int NT>
