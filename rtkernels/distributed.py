@@ -133,15 +133,17 @@ def _piece_state(k: torch.Tensor, v: torch.Tensor, lg: torch.Tensor, cdt: torch.
 
 
 def _own_state(k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, lg: torch.Tensor,
-               cdt: torch.dtype) -> torch.Tensor:
-    """:func:`_piece_state`, by the chunk kernel where it runs on these views and splits the piece
+               cdt: torch.dtype, reverse: bool = False) -> torch.Tensor:
+    """:func:`_piece_state` (with ``reverse``, of the reversed piece: sum_t gamma^t k_t^T v_t), by
+    the chunk kernel where it runs on these views and splits the piece
     (:func:`~rtkernels.methods.chunk.launch.kernel_final_state`: k and v read once, no weighted copy;
-    float32 in torch's float32 matmul mode, as the fused pass's default), else by batched matmuls."""
+    float32 in torch's float32 matmul mode, as the fused pass's default), else by batched matmuls
+    (on flipped copies for ``reverse``)."""
     if kernel_runs(k, k, v) and k.stride(-1) == v.stride(-1) == 1:
-        state = kernel_final_state(k, v, log_decay, _check_fp32_precision(None))
+        state = kernel_final_state(k, v, log_decay, _check_fp32_precision(None), reverse=reverse)
         if state is not None:
             return state.to(cdt)
-    return _piece_state(k, v, lg, cdt)
+    return _piece_state(k.flip(2), v.flip(2), lg, cdt) if reverse else _piece_state(k, v, lg, cdt)
 
 
 def _power(lg: torch.Tensor, m: int) -> torch.Tensor:
@@ -266,14 +268,9 @@ def _forward(plan: _Plan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dec
 def _entering_grad(q: torch.Tensor, grad_out: torch.Tensor, plan: _Plan, lg: torch.Tensor,
                    cdt: torch.dtype) -> torch.Tensor:
     """D_r = dL/dE_r through the piece's outputs, scale sum_t gamma^(t+1) q_t^T do_t (``[B, H, n,
-    D]`` views), in ``cdt``: the reversed piece's own state (:func:`_own_state`'s pass on the
-    reversed sequence: the kernel where it runs, else batched matmuls on flipped copies)."""
-    own = None
-    if kernel_runs(q, q, grad_out) and q.stride(-1) == grad_out.stride(-1) == 1:
-        own = kernel_final_state(q, grad_out, plan.log_decay, _check_fp32_precision(None), reverse=True)
-    if own is None:
-        own = _piece_state(q.flip(2), grad_out.flip(2), lg, cdt)
-    return own.to(cdt) * (plan.scale * torch.exp(lg)).view(1, -1, 1, 1)
+    D]`` views), in ``cdt``: the reversed piece's own state of q and do (:func:`_own_state`)."""
+    own = _own_state(q, grad_out, plan.log_decay, lg, cdt, reverse=True)
+    return own * (plan.scale * torch.exp(lg)).view(1, -1, 1, 1)
 
 
 class _ContextParallelFunction(torch.autograd.Function):
