@@ -307,6 +307,33 @@ def test_kernel_path_against_separate_calls_and_fp64(kernel_path, dtype, dims, l
         assert_close(a, c, dtype, f"{name} vs one call per sequence", KN)
 
 
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_path_final_state_gradient_with_tiny_gammas(kernel_path, dtype, layout):
+    """The final states' gradient rides on the reversed passes, except for heads whose gamma is below
+    eps^2 of fp32 (1e-30, 1e-20), which take it on each sequence's last token: every gradient
+    against the fp64 reference per sequence, with empty sequences and either memory layout."""
+    lens = (0, 1, 63, 0, 65, 130, 0)
+    q, k, v, s0, _ = kernel_inputs(dtype, 40, 72, layout, seed=12, lens=lens)
+    gamma = torch.tensor((1e-30, 1e-20, 0.9, 1.0), dtype=torch.float32, device="cuda")
+    g = torch.Generator().manual_seed(13)
+    w_out = torch.randn(q.shape[:3] + (72,), generator=g, dtype=F64).to(dtype).to("cuda", F64)
+    w_state = torch.randn(len(lens), H, 40, 72, generator=g, dtype=F64).to("cuda")
+
+    def grads(fn):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, s0)]
+        out, state = fn(*leaves)
+        return torch.autograd.grad((out.double() * w_out).sum() + (state.double() * w_state).sum(), leaves)
+
+    got = grads(lambda a, b, c, s: kernel_call(a, b, c, s, gamma, layout, True, lens))
+    assert kernel_path in BACKWARD_PASSES, "one forward and the backward's passes on the kernels"
+    want = grads(lambda a, b, c, s: split_call(_by_reference(gamma.double(), layout), a, b, c, s, layout, True,
+                                               lens))
+    for name, a, b in zip(("dq", "dk", "dv", "dinitial_state"), got, want):
+        assert torch.isfinite(a).all(), f"{name}: not finite"
+        assert_close(a, b, dtype, f"{name} vs fp64 reference", sum(lens))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kernel_path_equals_the_torch_path(dtype):
     """The kernels and rtkernels.varlen's torch path (run directly) agree; int64 offsets."""

@@ -384,6 +384,46 @@ def test_packed_backward_assembles_the_gradients(monkeypatch, with_s0):
         assert got[3] is None
 
 
+#: Heads whose gamma is below eps^2 of the compute dtype (their G terms on the last token only)
+#: beside ordinary ones.
+EDGE_GAMMAS = (1e-45, 1e-20, 0.9, 1.0)
+
+
+@pytest.mark.parametrize("layout", ("bhnd", "bnhd"))
+@pytest.mark.parametrize("dtype", (F64, torch.float32), ids=str)
+@pytest.mark.parametrize("scale", (1e6, 3e-6, 1e-7, -0.5), ids=lambda s: f"scale={s:g}")
+def test_packed_final_state_gradient_at_the_edges(monkeypatch, scale, dtype, layout):
+    """The G terms where they ride on the reversed passes (huge, tiny and negative scales), where they
+    are torch products (1e-7), and on the last token of each sequence for heads whose gamma is too
+    small to divide by, with empty sequences first, in the middle and last and gradients in either
+    memory layout: packed_backward against autograd through the fp64 torch path."""
+    from rtkernels.methods.chunk import packed
+
+    lens = (0, 1, 63, 0, 65, 130, 0)
+    cu = offsets(lens)
+    n = sum(lens)
+    g = torch.Generator().manual_seed(11)
+    draw = lambda *shape: torch.randn(*shape, generator=g, dtype=F64)  # noqa: E731
+    q, k, v = draw(1, H, n, DK) / math.sqrt(DK), draw(1, H, n, DK) / math.sqrt(DK), draw(1, H, n, DV)
+    s0, w_out, w_state = draw(len(lens), H, DK, DV), draw(1, H, n, DV), draw(len(lens), H, DK, DV)
+    lg = tuple(math.log(x) for x in EDGE_GAMMAS)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, s0)]
+    out, state = varlen.varlen_attention(*leaves[:3], cu, LogDecay(torch.device("cpu"), host=lg), scale, leaves[3],
+                                         True, True)
+    want = torch.autograd.grad((out * w_out).sum() + (state * w_state).sum(), leaves)
+
+    def given(x):  # the dtype, and [1, N, H, D] memory for bnhd
+        x = x.to(dtype)
+        return x if layout == "bhnd" else x.transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(packed, "forward_pass", _packed_pass_in_torch(cu))
+    got = packed.packed_backward(given(q), given(k), given(v), LogDecay(torch.device("cpu"), host=lg), scale,
+                                 s0.to(dtype), given(w_out), w_state.to(dtype), True, "exact", packed.offsets(cu, n))
+    for name, a, b in zip(("dq", "dk", "dv", "dinitial_state"), got, want):
+        assert torch.isfinite(a).all(), f"{name}: not finite"
+        assert_close(a, b, dtype, f"{name}: packed backward vs autograd of the torch path, scale={scale}", n)
+
+
 def packed_inputs_f64(lens):
     q, k, v, s0, gamma = packed(lens, F64, "bhnd", seed=4)
     return q, k, v, s0, gamma

@@ -26,7 +26,7 @@ in dv, and gamma^N G in dS_0 through R's final state, with no pass over the sequ
 (before, they were batched products in torch operations: at (1, 32, 262144, 128) bf16 they took
 more time than the three passes). Where that quotient is unsafe it is not formed:
 |scale| < :data:`STATE_GRAD_MIN_SCALE` (0 included) keeps the torch products, and a head whose
-gamma is below the compute dtype's eps^2 (:func:`_state_grad_entry`) takes its G terms on the last
+gamma is below the compute dtype's eps^2 (:func:`grad_state_entry`) takes its G terms on the last
 token only, the only token where they are not below eps^2 of that token's. dlog(gamma), for a
 trainable decay, is summed by the dq pass itself where that pass runs the wgmma kernel in bf16
 (:func:`rtkernels.methods.chunk.decay_grad.dq_pass_sums`; the same sum, no second walk over the
@@ -98,7 +98,7 @@ from .decay_grad import PartialSums, dq_pass_sums, kernel_log_decay_grad
 from .torch_path import torch_forward
 
 __all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "gradient_passes", "kernel_backward", "clear_plans", "supports",
-           "register"]
+           "register", "grad_state_entry", "STATE_GRAD_MIN_SCALE"]
 
 #: The G terms are added over this many token blocks (bounding their fp32 temporaries), where they
 #: are torch products (|scale| < :data:`STATE_GRAD_MIN_SCALE`).
@@ -175,7 +175,7 @@ def _add_state_term(dst: torch.Tensor, x: torch.Tensor, m: torch.Tensor, lg: tor
         dst[:, :, rows].add_(to_end[:, rows] * (x[:, :, rows].to(m.dtype) @ m))
 
 
-def _state_grad_entry(grad_state: torch.Tensor, lg: torch.Tensor, scale: float
+def grad_state_entry(grad_state: torch.Tensor, lg: torch.Tensor, scale: float
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(X, far)``: the final-state gradient G as the reversed passes' initial state, ``X = G /
     (scale gamma)`` per head in ``lg``'s dtype, and ``far`` (bool ``[H]``): the heads whose gamma is
@@ -189,7 +189,7 @@ def _state_grad_entry(grad_state: torch.Tensor, lg: torch.Tensor, scale: float
 
 def _add_last_token_terms(dk: torch.Tensor, dv: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           g_state: torch.Tensor, far: torch.Tensor) -> None:
-    """The G terms of token N-1 (weight gamma^0) for the ``far`` heads of :func:`_state_grad_entry`:
+    """The G terms of token N-1 (weight gamma^0) for the ``far`` heads of :func:`grad_state_entry`:
     dk += v G^T and dv += k G there, in ``g_state``'s dtype, rounded once into dk and dv."""
     mask = far.view(-1, 1, 1)
     zero = torch.zeros((), dtype=g_state.dtype, device=g_state.device)
@@ -222,7 +222,7 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
     :func:`.plan.fuses_dk_dv` holds for these buffers (the chunk kernel runs every pass; ``sequences``:
     the number of packed sequences of ``run``'s passes, 0 for none); True: the caller knows it holds
     (a planned backward repeating one that fused). ``state_grad_entry``: the reversed passes' initial
-    state (the dv pass's; its transpose the dk pass's), :func:`_state_grad_entry`'s X, or None; R's
+    state (the dv pass's; its transpose the dk pass's), :func:`grad_state_entry`'s X, or None; R's
     final state, and so dS_0, then holds the G term gamma^N G too."""
     cdt = compute_dtype(q.dtype)
     dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
@@ -342,7 +342,7 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     g_fp32 = None if sums is None or grad_state is None else grad_state.to(torch.float32).contiguous()
     entry = far = None
     if grad_state is not None and abs(scale) >= STATE_GRAD_MIN_SCALE:  # the G terms ride on the reversed passes
-        entry, far = _state_grad_entry(grad_state, log_decay.tensor(cdt), scale)
+        entry, far = grad_state_entry(grad_state, log_decay.tensor(cdt), scale)
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
                                            need_state_grad, q.dtype if on_kernel else cdt, partials, g_fp32,
                                            forward_states if on_kernel else None, fuse_dk_dv,

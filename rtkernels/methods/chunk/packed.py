@@ -21,9 +21,13 @@ the host: a call never syncs and can be captured in a CUDA graph.
   ``[N - cu[s+1], N - cu[s])``), so each pass restarts at every sequence boundary; dk and dv as one
   walk where :func:`.plan.fuses_dk_dv` holds for S * H CTA rows. The terms of the
   final state's gradient G, ``dk_j += gamma^(e_s - j) v_j G[s]^T`` and ``dv_j += gamma^(e_s - j) k_j
-  G[s]`` (e_s the last token of j's sequence), are torch products over blocks of tokens with G
-  gathered per token (positions from ``searchsorted`` on the device), and ``dS_0[s] = scale gamma
-  R[s] + gamma^(len_s) G[s]`` with R the dv pass's final states.
+  G[s]`` (e_s the last token of j's sequence) and ``gamma^(len_s) G[s]`` in dS_0[s], ride on the
+  reversed passes as in an ordinary call (:mod:`.backward`): each sequence's reversed walk starts at
+  e_s from the initial state ``G[s] / (scale gamma)``, so no pass of their own. As there, a head
+  whose gamma is below eps^2 takes them on each sequence's last token only, and |scale| below
+  ``STATE_GRAD_MIN_SCALE`` keeps torch products over blocks of tokens with G gathered per token
+  (positions from ``searchsorted`` on the device). dS_0[s] is ``scale gamma R[s]`` with R the dv
+  pass's final states (plus the G term where the passes did not carry it).
 - A decay that requires grad: dlog(gamma) comes from the backward's dq pass, which sums it per
   (sequence, head, tile of Dk) CTA (:func:`.decay_grad.dq_pass_sums`, the DLOG instance: S and
   W = dS/dlog(gamma) restart at every sequence, W from 0; the CTA ending sequence s adds <G[s], W>
@@ -45,7 +49,7 @@ from torch.autograd.function import once_differentiable
 from ...decay import LogDecay
 from ...jit.dtypes import compute_dtype
 from . import launch
-from .backward import gradient_passes, kernel_runs
+from .backward import STATE_GRAD_MIN_SCALE, grad_state_entry, gradient_passes, kernel_runs
 from .decay_grad import PartialSums, dq_pass_sums
 from .plan import aligned
 
@@ -180,6 +184,31 @@ def _state_terms(dk: torch.Tensor, dv: torch.Tensor, k: torch.Tensor, v: torch.T
         dv[0, :, rows].add_(w * x[:, :, 0])
 
 
+def _last_token_terms(dk: torch.Tensor, dv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g_state: torch.Tensor,
+                      far: torch.Tensor, cu64: torch.Tensor) -> None:
+    """The G terms of each sequence's last token e_s (weight gamma^0) for the ``far`` heads of
+    :func:`.backward.grad_state_entry`: ``dk[e_s] += v[e_s] G[s]^T`` and ``dv[e_s] += k[e_s] G[s]`` in
+    ``g_state``'s dtype, rounded to the gradients' dtype and added in place. Other heads and empty
+    sequences add an exact 0 (an empty sequence's clamped e_s may be another's), so the order of the
+    accumulating adds cannot change a bit. Work O(S H Dk Dv), no token-sized temporaries."""
+    n, h = k.shape[2], k.shape[1]
+    lo, hi = cu64[:-1].clamp(0, n), cu64[1:].clamp(0, n)
+    last = (hi - 1).clamp(min=0)                                   # [S]
+    keep = (far.view(-1, 1) & (hi > lo).view(1, -1))[..., None]    # [H, S, 1]
+    heads = torch.arange(h, device=k.device)
+    zero = torch.zeros((), dtype=g_state.dtype, device=g_state.device)
+    g_h = g_state.transpose(0, 1)                                  # [H, S, Dk, Dv]
+    for dst, x, m in ((dk, v, g_h.transpose(-1, -2)), (dv, k, g_h)):
+        rows = x[0].index_select(1, last).to(g_state.dtype)        # [H, S, Dx]
+        terms = torch.where(keep, (rows.unsqueeze(-2) @ m).squeeze(-2), zero).to(dst.dtype)  # [H, S, D]
+        base = dst[0]
+        if not base.is_contiguous() and base.transpose(0, 1).is_contiguous():  # [B, N, H, D] memory
+            base.transpose(0, 1).index_put_((last.view(-1, 1), heads.view(1, -1)), terms.transpose(0, 1),
+                                            accumulate=True)
+        else:
+            base.index_put_((heads.view(-1, 1), last.view(1, -1)), terms, accumulate=True)
+
+
 def packed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
                     initial_state: Optional[torch.Tensor], grad_out: torch.Tensor, grad_state: Optional[torch.Tensor],
                     need_state_grad: bool, fp32_precision: str, packed: tuple[torch.Tensor, torch.Tensor],
@@ -201,15 +230,24 @@ def packed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     def run(*args, keep=None, **kw):  # one kernel pass over the same sequences (one segment: no slots to keep)
         return forward_pass(*args, fp32_precision, packed, **kw)
 
+    entry = far = None
+    if grad_state is not None and abs(scale) >= STATE_GRAD_MIN_SCALE:  # the G terms ride on the reversed passes
+        entry, far = grad_state_entry(grad_state, log_decay.tensor(cdt), scale)
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
                                            need_state_grad, q.dtype, partials, g_fp32, fuse_dk_dv=None,
-                                           sequences=packed[0].shape[0] - 1)
+                                           sequences=packed[0].shape[0] - 1, state_grad_entry=entry)
     if grad_state is not None:
         cu64 = packed[0]
         g_state = grad_state.to(cdt)
-        _state_terms(dk, dv, k, v, g_state, lg, cu64)
-        if need_state_grad:
+        if entry is None:  # |scale| too small to divide by: torch products over the tokens
+            _state_terms(dk, dv, k, v, g_state, lg, cu64)
+        else:
+            _last_token_terms(dk, dv, k, v, g_state, far, cu64)
+        if need_state_grad:  # gamma^(len_s) G[s] where the reversed passes did not carry it
             lens = (cu64[1:] - cu64[:-1]).clamp(0, q.shape[2]).to(cdt)
-            d_s0 = d_s0 + torch.exp(lg[None, :] * lens[:, None])[..., None, None] * g_state
+            to_end = torch.exp(lg[None, :] * lens[:, None])
+            if entry is not None:
+                to_end = torch.where(far[None, :], to_end, 0.0)
+            d_s0 = d_s0 + to_end[..., None, None] * g_state
     d_decay = None if sums is None else sums.total(partials, log_decay.kernel_arg()[0])
     return dq, dk, dv, d_s0, d_decay
