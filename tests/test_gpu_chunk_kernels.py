@@ -139,3 +139,10 @@ def test_final_state_alone(shape, dtype, layout, reverse, monkeypatch):
     _, want = base.reference(ref_k, ref_k, ref_v, gammas.float().double())
     assert state.dtype == torch.float32 and state.shape == (b, h, dk, dv)
     base.assert_close(state, want, dtype, f"final state alone {shape} {dtype} {layout}")
+    # the same signature again with other gammas: the kept plan reads the new decay, not the planned one
+    other = torch.tensor([0.5, 0.999, 0.9][:h], dtype=torch.float64)
+    with no_host_sync():
+        again = kernel_final_state(*kv, LogDecay(torch.device("cuda"), raw=other.float().cuda(), kind=KIND_FACTOR),
+                                   reverse=reverse)
+    _, want = base.reference(ref_k, ref_k, ref_v, other.float().double())
+    base.assert_close(again, want, dtype, f"final state alone, kept plan {shape} {dtype} {layout}")
