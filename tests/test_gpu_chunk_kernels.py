@@ -141,8 +141,8 @@ def test_final_state_alone(shape, dtype, layout, reverse, monkeypatch):
     base.assert_close(state, want, dtype, f"final state alone {shape} {dtype} {layout}")
     # the same signature again with other gammas: the kept plan reads the new decay, not the planned one
     other = torch.tensor([0.5, 0.999, 0.9][:h], dtype=torch.float64)
+    other_decay = LogDecay(torch.device("cuda"), raw=other.float().cuda(), kind=KIND_FACTOR)
     with no_host_sync():
-        again = kernel_final_state(*kv, LogDecay(torch.device("cuda"), raw=other.float().cuda(), kind=KIND_FACTOR),
-                                   reverse=reverse)
+        again = kernel_final_state(*kv, other_decay, reverse=reverse)
     _, want = base.reference(ref_k, ref_k, ref_v, other.float().double())
     base.assert_close(again, want, dtype, f"final state alone, kept plan {shape} {dtype} {layout}")

@@ -288,6 +288,60 @@ def kernel_final_state(k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
     return final
 
 
+class KeyPiecesLaunch:
+    """A planned call whose Dk is split (:func:`.plan.key_pieces`: over 128 on the wgmma kernel, over
+    256 elsewhere, which the backward's Dv-wide passes need): one
+    :class:`ChunkLaunch` per piece of key columns, the first writing ``out``, the others a
+    contiguous temporary each that is then added to it (one more rounding of a 16-bit output); the
+    final state is the pieces' states stacked along Dk, the initial state split the same way.
+    ``tuned``: the config every piece runs (:func:`call_pieces`). Called like :class:`ChunkLaunch`.
+    Extra work: the pieces read v and write an output each."""
+
+    __slots__ = ("parts", "pieces", "need_state", "out_size", "out_stride")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
+                 out: torch.Tensor, need_state: bool, reverse: bool, fp32_precision: str, pieces: list[slice],
+                 tuned: Optional[Config] = None, sequences: int = 0):
+        self.pieces, self.need_state = pieces, need_state
+        # the [B, H, N, Dv] view of the output the plan saw: a cached call passes the caller's tensor,
+        # which for layout "bnhd" is [B, N, H, Dv] over the same memory
+        self.out_size, self.out_stride = tuple(out.shape), out.stride()
+        self.parts = [ChunkLaunch(q[..., p], k[..., p], v, log_decay, scale, out if i == 0 else _piece_out(out),
+                                  need_state, reverse, fp32_precision, tuned, sequences) for i, p in enumerate(pieces)]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None,
+                 decay_ptr: Optional[int] = None, seqs: Optional[tuple[int, int]] = None) -> Optional[torch.Tensor]:
+        if out.stride() != self.out_stride or tuple(out.shape) != self.out_size:
+            out = out.as_strided(self.out_size, self.out_stride, out.storage_offset())
+        states = []
+        for i, (p, part) in enumerate(zip(self.pieces, self.parts)):
+            dst = out if i == 0 else _piece_out(out)  # contiguous [B, H, N, Dv], as planned
+            s0 = None if initial_state is None else initial_state[:, :, p]
+            states.append(part(q[..., p], k[..., p], v, dst, s0, decay, decay_ptr, seqs))
+            if i:
+                out.add_(dst)
+        return torch.cat(states, dim=2) if self.need_state else None
+
+
+def transposed_slots(launcher: Any, slots: torch.Tensor, fold: tuple) -> Optional[torch.Tensor]:
+    """One pass's states-pass ``slots`` (its :attr:`ChunkLaunch.fold` ``fold``) as the slots of
+    ``launcher``, a pass whose states are their transposes over the same tokens with the same
+    weights: the backward's dq pass F(g, v, k, S_0^T) after the forward F(q, k, v) (sum v^T k =
+    (sum k^T v)^T), and its dv pass R(k, q, g) after its dk pass R(v, g, q) (sum q^T g = (sum g^T
+    q)^T). Transposed (one copy of the slots) where ``launcher`` splits the sequence the same way,
+    else None (it runs its own states pass)."""
+    mine = getattr(launcher, "fold", None)  # None: a launch without them (key pieces, one pass, DLOG)
+    nseg, fold_len, count, (b, h, dk, dv) = fold
+    if mine is None or mine != (nseg, fold_len, count, (b, h, dv, dk)):
+        return None
+    return slots.transpose(-1, -2).contiguous()
+
+
+def _piece_out(out: torch.Tensor) -> torch.Tensor:
+    return torch.empty(out.shape, dtype=out.dtype, device=out.device)
+
+
 def _launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
               out: torch.Tensor, need_state: bool, reverse: bool, fp32_precision: str, sequences: int = 0):
     b, h, n, dk = q.shape
