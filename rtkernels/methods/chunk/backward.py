@@ -98,7 +98,7 @@ from .decay_grad import PartialSums, dq_pass_sums, kernel_log_decay_grad
 from .torch_path import torch_forward
 
 __all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "gradient_passes", "kernel_backward", "clear_plans", "supports",
-           "register", "grad_state_entry", "STATE_GRAD_MIN_SCALE"]
+           "register", "grad_state_entry"]
 
 #: The G terms are added over this many token blocks (bounding their fp32 temporaries), where they
 #: are torch products (|scale| < :data:`STATE_GRAD_MIN_SCALE`).
@@ -175,12 +175,17 @@ def _add_state_term(dst: torch.Tensor, x: torch.Tensor, m: torch.Tensor, lg: tor
         dst[:, :, rows].add_(to_end[:, rows] * (x[:, :, rows].to(m.dtype) @ m))
 
 
-def grad_state_entry(grad_state: torch.Tensor, lg: torch.Tensor, scale: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def grad_state_entry(grad_state: Optional[torch.Tensor], log_decay: LogDecay, dtype: torch.dtype, scale: float
+                     ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``(X, far)``: the final-state gradient G as the reversed passes' initial state, ``X = G /
-    (scale gamma)`` per head in ``lg``'s dtype, and ``far`` (bool ``[H]``): the heads whose gamma is
-    below eps^2 of that dtype, whose X is 0 instead (their G terms before the last token are below
-    eps^2 of the last token's, and the quotient could overflow). NaN in G or in gamma stays NaN."""
+    (scale gamma)`` per head in the compute dtype ``dtype``, and ``far`` (bool ``[H]``): the heads
+    whose gamma is below eps^2 of that dtype, whose X is 0 instead (their G terms before the last
+    token are below eps^2 of the last token's, and the quotient could overflow). NaN in G or in
+    gamma stays NaN. ``(None, None)`` where no G is given or |scale| < :data:`STATE_GRAD_MIN_SCALE`
+    (the caller then adds the G terms by torch products)."""
+    if grad_state is None or abs(scale) < STATE_GRAD_MIN_SCALE:
+        return None, None
+    lg = log_decay.tensor(dtype)
     gamma = torch.exp(lg)
     far = gamma < torch.finfo(lg.dtype).eps ** 2
     inv = torch.where(far, torch.zeros_like(gamma), 1.0 / (scale * gamma))
@@ -340,9 +345,7 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
 
     partials = None if sums is None else sums.buffer()
     g_fp32 = None if sums is None or grad_state is None else grad_state.to(torch.float32).contiguous()
-    entry = far = None
-    if grad_state is not None and abs(scale) >= STATE_GRAD_MIN_SCALE:  # the G terms ride on the reversed passes
-        entry, far = grad_state_entry(grad_state, log_decay.tensor(cdt), scale)
+    entry, far = grad_state_entry(grad_state, log_decay, cdt, scale)  # the G terms ride on the reversed passes
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
                                            need_state_grad, q.dtype if on_kernel else cdt, partials, g_fp32,
                                            forward_states if on_kernel else None, fuse_dk_dv,

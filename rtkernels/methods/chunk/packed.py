@@ -25,7 +25,7 @@ the host: a call never syncs and can be captured in a CUDA graph.
   reversed passes as in an ordinary call (:mod:`.backward`): each sequence's reversed walk starts at
   e_s from the initial state ``G[s] / (scale gamma)``, so no pass of their own. As there, a head
   whose gamma is below eps^2 takes them on each sequence's last token only, and |scale| below
-  ``STATE_GRAD_MIN_SCALE`` keeps torch products over blocks of tokens with G gathered per token
+  ``backward.STATE_GRAD_MIN_SCALE`` keeps torch products over blocks of tokens with G gathered per token
   (positions from ``searchsorted`` on the device). dS_0[s] is ``scale gamma R[s]`` with R the dv
   pass's final states (plus the G term where the passes did not carry it).
 - A decay that requires grad: dlog(gamma) comes from the backward's dq pass, which sums it per
@@ -49,7 +49,7 @@ from torch.autograd.function import once_differentiable
 from ...decay import LogDecay
 from ...jit.dtypes import compute_dtype
 from . import launch
-from .backward import STATE_GRAD_MIN_SCALE, grad_state_entry, gradient_passes, kernel_runs
+from .backward import grad_state_entry, gradient_passes, kernel_runs
 from .decay_grad import PartialSums, dq_pass_sums
 from .plan import aligned
 
@@ -230,9 +230,7 @@ def packed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     def run(*args, keep=None, **kw):  # one kernel pass over the same sequences (one segment: no slots to keep)
         return forward_pass(*args, fp32_precision, packed, **kw)
 
-    entry = far = None
-    if grad_state is not None and abs(scale) >= STATE_GRAD_MIN_SCALE:  # the G terms ride on the reversed passes
-        entry, far = grad_state_entry(grad_state, log_decay.tensor(cdt), scale)
+    entry, far = grad_state_entry(grad_state, log_decay, cdt, scale)  # the G terms ride on the reversed passes
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
                                            need_state_grad, q.dtype, partials, g_fp32, fuse_dk_dv=None,
                                            sequences=packed[0].shape[0] - 1, state_grad_entry=entry)
