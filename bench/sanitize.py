@@ -308,12 +308,19 @@ def _drive_dk_dv() -> Optional[str]:
 
 
 def _drive_decay_grad() -> Optional[str]:
+    """The 16-bit dlog(gamma) kernel (the dq pass's own sum turned off, as on a GPU without wgmma)."""
+    from rtkernels.methods.chunk import backward
+
     torch = _torch()
-    for dt in (torch.float16, torch.bfloat16):
-        _train(*_qkv(1, 2, 200, 40, 96, dt), f"dlog few CTAs (BV 32) {dt}", decay_grad=True)
-        _train(*_qkv(2, 70, 65, 40, 72, dt), f"dlog many CTAs (BV 64) {dt}", decay_grad=True, state=False)
-        _train(*_qkv(1, 1, 130, 200, 40, dt), f"dlog KMAX 256 {dt}", decay_grad=True)
-        _train(*_qkv(1, 2, 100, 37, 37, dt, offset=True), f"dlog unaligned {dt}", decay_grad=True, state=False)
+    fused, backward.dq_pass_sums = backward.dq_pass_sums, lambda *args: False
+    try:
+        for dt in (torch.float16, torch.bfloat16):
+            _train(*_qkv(1, 2, 200, 40, 96, dt), f"dlog few CTAs (BV 32) {dt}", decay_grad=True)
+            _train(*_qkv(2, 70, 65, 40, 72, dt), f"dlog many CTAs (BV 64) {dt}", decay_grad=True, state=False)
+            _train(*_qkv(1, 1, 130, 200, 40, dt), f"dlog KMAX 256 {dt}", decay_grad=True)
+            _train(*_qkv(1, 2, 100, 37, 37, dt, offset=True), f"dlog unaligned {dt}", decay_grad=True, state=False)
+    finally:
+        backward.dq_pass_sums = fused
     return None
 
 
@@ -338,29 +345,30 @@ def _drive_decay_grad_f32() -> Optional[str]:
 
 
 def _drive_dq_dlog() -> Optional[str]:
-    """dlog(gamma) summed inside the dq pass (the DLOG instance of chunk/fwd16.cu: bf16, aligned
-    rows, Dv <= 128, wgmma), with and without a final state in the loss (its term <G, W_end>)."""
+    """dlog(gamma) summed inside the dq pass (the DLOG instance of chunk/fwd16.cu: fp16 and bf16,
+    aligned rows, Dv <= 128, wgmma), with and without a final state in the loss (its term <G, W_end>)."""
     from rtkernels.methods import chunk
 
     if not chunk.plan._wgmma_ok(0, chunk.current_overrides()):
         return "needs the wgmma kernel (compute capability 9.0)"
     torch = _torch()
-    _train(*_qkv(1, 2, 200, 40, 96, torch.bfloat16), "dlog in dq pass KMAX 128, one value tile", decay_grad=True,
-           state=False)
-    _train(*_qkv(2, 3, 65, 128, 128, torch.bfloat16), "dlog in dq pass, two value tiles", decay_grad=True,
-           state=False)
-    _train(*_qkv(1, 2, 130, 200, 64, torch.bfloat16), "dlog in dq pass KMAX 64, partial value tile",
-           decay_grad=True, state=False)
-    _train(*_qkv(1, 2, 1, 64, 64, torch.bfloat16), "dlog in dq pass, one token", decay_grad=True, state=False)
-    with chunk.override(segments=3):  # the states pass carrying W, the DLOG pass folding S and W
-        _train(*_qkv(1, 2, 1000, 72, 128, torch.bfloat16), "dlog in dq pass, 3 segments", decay_grad=True,
+    for dt in (torch.bfloat16, torch.float16):
+        _train(*_qkv(1, 2, 200, 40, 96, dt), f"dlog in dq pass KMAX 128, one value tile {dt}", decay_grad=True,
                state=False)
-    with chunk.override(segments=2):  # two slots a segment
-        _train(*_qkv(1, 2, 1024, 64, 128, torch.bfloat16), "dlog in dq pass, 2 segments of 2 slots",
+        _train(*_qkv(2, 3, 65, 128, 128, dt), f"dlog in dq pass, two value tiles {dt}", decay_grad=True,
+               state=False)
+        _train(*_qkv(1, 2, 130, 200, 64, dt), f"dlog in dq pass KMAX 64, partial value tile {dt}",
                decay_grad=True, state=False)
-        _train(*_qkv(1, 2, 1000, 72, 128, torch.bfloat16), "dlog in dq pass, 2 segments, final state",
-               decay_grad=True)
-    _train(*_qkv(2, 3, 65, 128, 96, torch.bfloat16), "dlog in dq pass, final state", decay_grad=True)
+        _train(*_qkv(1, 2, 1, 64, 64, dt), f"dlog in dq pass, one token {dt}", decay_grad=True, state=False)
+        with chunk.override(segments=3):  # the states pass carrying W, the DLOG pass folding S and W
+            _train(*_qkv(1, 2, 1000, 72, 128, dt), f"dlog in dq pass, 3 segments {dt}", decay_grad=True,
+                   state=False)
+        with chunk.override(segments=2):  # two slots a segment
+            _train(*_qkv(1, 2, 1024, 64, 128, dt), f"dlog in dq pass, 2 segments of 2 slots {dt}",
+                   decay_grad=True, state=False)
+            _train(*_qkv(1, 2, 1000, 72, 128, dt), f"dlog in dq pass, 2 segments, final state {dt}",
+                   decay_grad=True)
+        _train(*_qkv(2, 3, 65, 128, 96, dt), f"dlog in dq pass, final state {dt}", decay_grad=True)
     return None
 
 
@@ -524,7 +532,7 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
     "decay-grad": (_drive_decay_grad, "chunk/decay_grad.cu (BV 32 and 64, KMAX 256) + chunk/decay_grad_sum.cu"),
     "decay-grad-f32": (_drive_decay_grad_f32, "chunk/decay_grad_f32.cu (exact and tf32; BV 32 and 64, row slices, "
                                               "KMAX 64, 128, 256, element loader) + chunk/decay_grad_sum.cu"),
-    "dq-dlog": (_drive_dq_dlog, "chunk/fwd16.cu DLOG (dlog(gamma) in the backward's dq pass, bf16 wgmma; one "
+    "dq-dlog": (_drive_dq_dlog, "chunk/fwd16.cu DLOG (dlog(gamma) in the backward's dq pass, bf16 and fp16 wgmma; one "
                                 "segment, three, two of two slots, with chunk/states.cu DLOG) + chunk/decay_grad_sum.cu"),
     "large-heads": (_drive_large_heads, "chunk kernels at Dk 200-256, Dv 320-512: key pieces and one pass, "
                                         "forward, backward, dlog(gamma)"),

@@ -242,19 +242,25 @@ def test_source_grad_is_autograd_through_the_clamped_log(kind, dtype):
 
 
 def test_dq_pass_instance_exists_only_where_it_fits():
-    """The dq pass that sums dlog(gamma) (plan.dlog_config): bf16 with aligned rows and a pass Dk
-    (the forward's Dv) of at most 128 only, 64-wide value tiles on the wgmma kernel, listed among
-    the instances the CI compiles, and its shared memory (x tiles and W copies added) within an
-    H100's 227 KB; CPU tensors never take it."""
+    """The dq pass that sums dlog(gamma) (plan.dlog_config): fp16 or bf16 with aligned rows and a
+    pass Dk (the forward's Dv) of at most 128 only, 64-wide value tiles on the wgmma kernel, listed
+    among the instances the CI compiles, its states pass (split sequences) too, and its shared
+    memory (x tiles, W copies and fp16's W maxima added) within an H100's 227 KB; float32 and CPU
+    tensors never take it."""
     from rtkernels.methods.chunk import plan
 
-    for dk in (16, 64, 100, 128):
-        config = plan.dlog_config(torch.bfloat16, dk, True)
-        assert config is not None and config[2] == 64 and config[5] and config[6]
-        assert config in plan.all_configs()
-        smem = plan.config_smem(config)
-        assert plan.smem_bytes(config[1], 64, True) < smem <= plan.SMEM_LIMIT_SM90
-    assert plan.dlog_config(torch.float16, 128, True) is None
+    for dtype in (torch.bfloat16, torch.float16):
+        for dk in (16, 64, 100, 128):
+            config = plan.dlog_config(dtype, dk, True)
+            assert config is not None and config[2] == 64 and config[5] and config[6]
+            assert config in plan.all_configs()
+            smem = plan.config_smem(config)
+            assert plan.smem_bytes(config[1], 64, True) + 32 < smem <= plan.SMEM_LIMIT_SM90
+            for tma in (False, True):
+                if not tma or config[1] == 128:
+                    states = plan.states_config(dtype, dk, 64, True, plan.SMEM_LIMIT_SM90, dlog=True, tma=tma)
+                    assert states in plan._states_configs()
+    assert plan.dlog_config(torch.float32, 128, True) is None
     assert plan.dlog_config(torch.bfloat16, 129, True) is None
     assert plan.dlog_config(torch.bfloat16, 64, False) is None
     x = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)

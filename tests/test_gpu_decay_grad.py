@@ -164,10 +164,10 @@ def test_long_sequence_stays_accurate():
 
 @pytest.mark.parametrize("form", ("decay", "decay_rate"))
 def test_backward_uses_the_kernel(monkeypatch, form):
-    """loss.backward() through causal_linear_attention (fp16 on CUDA, a decay tensor that requires
-    grad, the final state in the loss) computes dlog(gamma) with this kernel, never the torch
-    formula, and the decay gets the fp64 gradient. (bf16 on Hopper sums it in the dq pass instead:
-    test_gpu_dq_pass_dlog.py.)"""
+    """loss.backward() through causal_linear_attention (fp16 on CUDA with Dv = 160, a decay tensor
+    that requires grad, the final state in the loss) computes dlog(gamma) with this kernel, never
+    the torch formula, and the decay gets the fp64 gradient. (With Dv <= 128 on Hopper, fp16 and
+    bf16 sum it in the dq pass instead: test_gpu_dq_pass_dlog.py.)"""
     calls = []
 
     def torch_formula(*args, **kwargs):
@@ -179,7 +179,7 @@ def test_backward_uses_the_kernel(monkeypatch, form):
 
     monkeypatch.setattr(kb, "log_decay_grad", torch_formula)
     monkeypatch.setattr(kb, "kernel_log_decay_grad", counted)
-    q, k, v, grad, s0, g_state = _inputs(200, 64, 32, torch.float16, True, 1)
+    q, k, v, grad, s0, g_state = _inputs(200, 64, 160, torch.float16, True, 1)
     factors = torch.tensor(GAMMAS, dtype=torch.float32, device="cuda")
     d = (factors if form == "decay" else -torch.log(factors)).requires_grad_(True)
     out, state = rtkernels.causal_linear_attention(q, k, v, scale=SCALE, method="chunk", initial_state=s0,

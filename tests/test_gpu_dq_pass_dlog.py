@@ -1,15 +1,19 @@
 """dlog(gamma) summed inside the backward's dq pass (marker ``gpu``; the DLOG instance of
-cuda_src/chunk/fwd16.cu, bf16 on a GPU that runs the wgmma kernel): against autograd through the
-fp64 reference on odd shapes, gamma from 1e-6 to 1; dq, dk, dv as the plain passes give them;
-strides, determinism, NaN, and a training step reaching it."""
+cuda_src/chunk/fwd16.cu, bf16 and fp16 on a GPU that runs the wgmma kernel): against autograd
+through the fp64 reference on odd shapes, gamma from 1e-6 to 1 (0.9 and 0.99 in fp16 too, where a
+wrong power of gamma shows); dq, dk, dv as the plain passes give them; strides, determinism, NaN,
+and a training step reaching it."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 import rtkernels
 import rtkernels.methods.chunk.backward as kb
+from rtkernels.decay import LogDecay
 from rtkernels.methods.chunk import decay_grad, plan
 from test_gpu_decay_grad import F64, GAMMAS, SCALE, _inputs, _log_decay, _want
 from tolerances import REL_FRO
@@ -17,6 +21,8 @@ from tolerances import REL_FRO
 pytestmark = pytest.mark.gpu
 
 BF16 = torch.bfloat16
+#: fp16 carries W scaled by a power of two and scales its W copy as its S copy (fwd16.cu's header)
+DTYPES = (torch.bfloat16, torch.float16)
 NS = (1, 63, 64, 65, 1000, 4096)
 #: (Dk, Dv): partial value tiles (16, 40, 200 columns of Dk in tiles of 64), KMAX 64 and 128, Dk != Dv
 SIZES = [(16, 16), (40, 72), (64, 64), (128, 128), (200, 40), (256, 128)]
@@ -50,16 +56,16 @@ def _grads(q, k, v, grad, s0, monkeypatch=None, fused=True, g_state=None):
 def _bound(x, want, positive, g_state=None):
     q, k, v, grad, s0 = x
     if positive:
-        return REL_FRO[BF16] * want.abs()
+        return REL_FRO[q.dtype] * want.abs()
     lg = torch.log(torch.tensor(GAMMAS, dtype=F64, device="cuda"))
     mag = decay_grad.torch_w_recurrence(q.abs(), k.abs(), v.abs(), lg, SCALE, None if s0 is None else s0.abs(),
                                         grad.abs(), None if g_state is None else g_state.abs())
-    return REL_FRO[BF16] * want.abs() + 1e-4 * mag
+    return REL_FRO[q.dtype] * want.abs() + 1e-4 * mag
 
 
 def _check(monkeypatch, x, positive, what, segments=None, g_state=None):
     """The fused dq pass against fp64 autograd (within ``_bound``) and against the plain passes:
-    dk and dv bit for bit (the same kernels), dq to bf16 rounding; ``segments``: both split so
+    dk and dv bit for bit (the same kernels), dq to 16-bit rounding; ``segments``: both split so
     (and the partial sums one row of CTAs per segment); ``g_state``: a final-state gradient."""
     q, k, v, grad, s0 = x
     with plan.override(segments=segments):
@@ -79,47 +85,51 @@ def _check(monkeypatch, x, positive, what, segments=None, g_state=None):
 
 
 @pytest.mark.parametrize("with_s0", [True, False], ids=["s0", "no-s0"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("n", NS)
-def test_matches_fp64_autograd(monkeypatch, n, sizes, with_s0):
-    """Non-negative inputs (no term cancels): every head within bf16's relative tolerance, gamma =
-    1e-6 .. 1 (0.9 and 0.99 included); normal inputs: within it plus 1e-4 of the terms' magnitudes
-    (as the separate kernel's test). dq, dk, dv agree with the plain passes' to bf16 rounding."""
+def test_matches_fp64_autograd(monkeypatch, n, sizes, dtype, with_s0):
+    """Non-negative inputs (no term cancels): every head within the dtype's relative tolerance,
+    gamma = 1e-6 .. 1 (0.9 and 0.99 included); normal inputs: within it plus 1e-4 of the terms'
+    magnitudes (as the separate kernel's test). dq, dk, dv agree with the plain passes' to 16-bit
+    rounding."""
     dk, dv = sizes
     for positive in (True, False):
-        q, k, v, grad, s0, _ = _inputs(n, dk, dv, BF16, positive, 1000 * n + dk + dv, b=2 if n < 4096 else 1)
-        _check(monkeypatch, (q, k, v, grad, s0 if with_s0 else None), positive, f"n={n} {sizes}")
+        q, k, v, grad, s0, _ = _inputs(n, dk, dv, dtype, positive, 1000 * n + dk + dv, b=2 if n < 4096 else 1)
+        _check(monkeypatch, (q, k, v, grad, s0 if with_s0 else None), positive, f"n={n} {sizes} {dtype}")
 
 
 @pytest.mark.parametrize("with_s0", [True, False], ids=["s0", "no-s0"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n, sizes, segments", [(65, (40, 72), 2), (1000, (128, 128), 3), (1000, (200, 40), 7),
                                                 (4096, (256, 128), 5), (777, (64, 64), 4), (4096, (128, 128), 2),
                                                 (3000, (40, 72), 2)], ids=str)
-def test_split_sequence(monkeypatch, n, sizes, segments, with_s0):
+def test_split_sequence(monkeypatch, n, sizes, segments, dtype, with_s0):
     """The dq pass split into segments (the states pass carrying W beside S, each segment's CTAs
     folding both; with 2 segments of 2048 and 1536 tokens, over 4 slots of 512 and 6 of 256 tokens
     per segment on an H100): as test_matches_fp64_autograd, against the plain passes split the
     same way."""
     dk, dv = sizes
     for positive in (True, False):
-        q, k, v, grad, s0, _ = _inputs(n, dk, dv, BF16, positive, 7 * n + dk + segments, b=2)
-        _check(monkeypatch, (q, k, v, grad, s0 if with_s0 else None), positive, f"n={n} {sizes} segments={segments}",
-               segments)
+        q, k, v, grad, s0, _ = _inputs(n, dk, dv, dtype, positive, 7 * n + dk + segments, b=2)
+        _check(monkeypatch, (q, k, v, grad, s0 if with_s0 else None), positive,
+               f"n={n} {sizes} {dtype} segments={segments}", segments)
 
 
 @pytest.mark.parametrize("with_s0", [True, False], ids=["s0", "no-s0"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n, sizes, segments", [(1, (64, 64), None), (65, (40, 72), None), (1000, (128, 128), None),
                                                 (4096, (200, 40), None), (3000, (64, 64), 3), (4096, (128, 128), 2)],
                          ids=str)
-def test_final_state_gradient(monkeypatch, n, sizes, segments, with_s0):
+def test_final_state_gradient(monkeypatch, n, sizes, segments, dtype, with_s0):
     """A gradient G of the final state: the CTA that ends the sequence (split: of the last segment)
     adds <G, W_end> over its tile. Against fp64 autograd of sum(grad * out) + sum(G * state), and
     the plain passes with the separate kernel, as test_matches_fp64_autograd."""
     dk, dv = sizes
     for positive in (True, False):
-        q, k, v, grad, s0, g_state = _inputs(n, dk, dv, BF16, positive, 11 * n + dk, b=2 if n < 4096 else 1)
+        q, k, v, grad, s0, g_state = _inputs(n, dk, dv, dtype, positive, 11 * n + dk, b=2 if n < 4096 else 1)
         _check(monkeypatch, (q, k, v, grad, s0 if with_s0 else None), positive,
-               f"n={n} {sizes} segments={segments} with G", segments, g_state)
+               f"n={n} {sizes} {dtype} segments={segments} with G", segments, g_state)
 
 
 def test_long_sequence_splits_by_default():
@@ -131,9 +141,10 @@ def test_long_sequence_splits_by_default():
     assert launch.segments == plan.split(16384, plan.segments_for(4, 16384, sms, 1))[1] > 1
 
 
-def test_bnhd_strides_and_determinism(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_bnhd_strides_and_determinism(monkeypatch, dtype):
     """[B, N, H, D] storage gives the bits of contiguous copies; two runs give the same bits."""
-    q, k, v, grad, s0, _ = _inputs(300, 64, 128, BF16, False, 11)
+    q, k, v, grad, s0, _ = _inputs(300, 64, 128, dtype, False, 11)
     base = _grads(q, k, v, grad, s0, monkeypatch)
     tq, tk, tv, tg = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, grad))
     again = _grads(tq, tk, tv, tg, s0, monkeypatch)
@@ -142,12 +153,13 @@ def test_bnhd_strides_and_determinism(monkeypatch):
 
 
 def test_falls_back_where_it_cannot():
-    """fp16, unaligned rows, q and k with different strides or Dv > 128: the separate kernel (a
-    gradient of the final state is no obstacle)."""
+    """float32, unaligned rows, q and k with different strides or Dv > 128: the separate kernel (a
+    gradient of the final state is no obstacle; fp16 sums in the pass as bf16 does)."""
     q, k, v, grad, s0, g_state = _inputs(100, 64, 64, BF16, False, 2)
     assert decay_grad.dq_pass_sums(q, k, v, grad, None)
     assert decay_grad.dq_pass_sums(q, k, v, grad, g_state)
-    assert not decay_grad.dq_pass_sums(*(x.half() for x in (q, k, v, grad)), None)
+    assert decay_grad.dq_pass_sums(*(x.half() for x in (q, k, v, grad)), None)
+    assert not decay_grad.dq_pass_sums(*(x.float() for x in (q, k, v, grad)), None)
     assert not decay_grad.dq_pass_sums(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, grad, None)
     wide = torch.zeros(2, len(GAMMAS), 100, 256, dtype=BF16, device="cuda")
     assert not decay_grad.dq_pass_sums(q, k, wide, wide, None)
@@ -155,11 +167,12 @@ def test_falls_back_where_it_cannot():
     assert not decay_grad.dq_pass_sums(buf[1:].view(q.shape), k, v, grad, None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("which", ("q", "k", "v", "grad"))
-def test_nan_reaches_its_head_only(monkeypatch, which):
+def test_nan_reaches_its_head_only(monkeypatch, which, dtype):
     """A NaN in q, k, v or dL/do of head 1 makes its dlog(gamma) NaN; the other heads keep their
-    values bit for bit."""
-    x = list(_inputs(150, 32, 64, BF16, False, 3))[:5]
+    values bit for bit (fp16: the copies' scaling is per CTA, so a NaN moves no other head's)."""
+    x = list(_inputs(150, 32, 64, dtype, False, 3))[:5]
     clean = _grads(*x, monkeypatch)[3]
     i = ("q", "k", "v", "grad").index(which)
     x[i] = x[i].clone()
@@ -168,11 +181,12 @@ def test_nan_reaches_its_head_only(monkeypatch, which):
     assert torch.isnan(got[1]) and torch.equal(torch.cat([got[:1], got[2:]]), torch.cat([clean[:1], clean[2:]]))
 
 
-def test_training_step(monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_training_step(monkeypatch, dtype):
     """loss.backward() with a trainable decay (an nn.Parameter of factors) runs the fused pass and
     gives the fp64 gradient of the factors, under sync-debug mode "error"."""
     monkeypatch.setattr(kb, "kernel_log_decay_grad", _refuse)
-    q, k, v, grad, _, _ = _inputs(700, 128, 128, BF16, True, 4)
+    q, k, v, grad, _, _ = _inputs(700, 128, 128, dtype, True, 4)
     factors = torch.nn.Parameter(torch.tensor(GAMMAS, dtype=torch.float32, device="cuda"))
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -181,4 +195,29 @@ def test_training_step(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     want = _want(q, k, v, grad, None, None) / factors.detach().double()
-    assert ((factors.grad.double() - want).abs() <= REL_FRO[BF16] * want.abs()).all(), (factors.grad, want)
+    assert ((factors.grad.double() - want).abs() <= REL_FRO[dtype] * want.abs()).all(), (factors.grad, want)
+
+
+@pytest.mark.parametrize("segments", [None, 3], ids=["one-pass", "split"])
+def test_fp16_range(monkeypatch, segments):
+    """fp16's scaled W: heads with gamma = 1e-30, 1e-12, 1e-6 (W's leading chunk weight is gamma,
+    zero or a subnormal in fp16 unscaled), 0.5, 0.999 and 1, values of v up to 2000 (the pass's
+    keys: weighted by up to 63 unscaled, they would overflow fp16) over 4096 tokens: every head
+    finite and within fp16's relative tolerance of the fp64 gradient (non-negative inputs: no term
+    cancels)."""
+    gammas = (1e-30, 1e-12, 1e-6, 0.5, 0.999, 1.0)
+    g = torch.Generator().manual_seed(5)
+    b, h, n, d = 1, len(gammas), 4096, 64
+
+    def draw(top):
+        return (torch.rand(b, h, n, d, generator=g, dtype=F64) * top).to("cuda", torch.float16)
+
+    q, k, v, grad = draw(0.125), draw(0.125), draw(2000.0), draw(1.0)
+    log_decay = LogDecay(torch.device("cuda"), host=tuple(math.log(x) for x in gammas))
+    monkeypatch.setattr(kb, "kernel_log_decay_grad", _refuse)
+    kb.clear_plans()
+    with plan.override(segments=segments):
+        got = kb.kernel_backward(q, k, v, log_decay, SCALE, None, grad, None, False, True).log_decay.double()
+    want = _want(q, k, v, grad, None, None, gammas)
+    assert torch.isfinite(got).all() and ((got - want).abs() <= REL_FRO[torch.float16] * want.abs()).all(), \
+        (got.tolist(), want.tolist())

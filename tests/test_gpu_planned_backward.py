@@ -41,9 +41,10 @@ def _step(leaves, grad, decay, layout, precision):
     return tuple(x.grad for x in leaves) + (decay.grad,)
 
 
-CASES = [  # (dtype, Dk, Dv, N, trainable): the fused dlog pass (bf16, aligned, Dv <= 128), partial tiles,
+CASES = [  # (dtype, Dk, Dv, N, trainable): the fused dlog pass (16-bit, aligned, Dv <= 128), partial tiles,
     # a key-piece split of the Dv-wide passes (Dv 200), fp16 and fp32 (no decay gradient: planned), N = 1
-    (torch.bfloat16, 128, 128, 300, True), (torch.bfloat16, 64, 64, 1, True), (torch.bfloat16, 40, 72, 200, False),
+    (torch.bfloat16, 128, 128, 300, True), (torch.bfloat16, 64, 64, 1, True), (torch.float16, 128, 96, 300, True),
+    (torch.bfloat16, 40, 72, 200, False),
     (torch.bfloat16, 64, 200, 130, False), (torch.float16, 48, 64, 257, False), (torch.float32, 32, 40, 150, False),
 ]
 
@@ -84,16 +85,16 @@ def test_planned_backward_repeats_the_general_path(dtype, dk, dv, n, trainable, 
 
 
 def test_calls_outside_the_plan_never_plan():
-    """An initial state, a gradient of the final state, or a trainable fp16 decay (the separate
-    dlog(gamma) kernel): no plan is made, and repeating the call gives the same bits."""
+    """An initial state, a gradient of the final state, or a trainable decay with Dv > 128 (the
+    separate dlog(gamma) kernel): no plan is made, and repeating the call gives the same bits."""
     h = len(GAMMAS)
-    for kind in ("initial_state", "final_state", "fp16_trainable"):
+    for kind in ("initial_state", "final_state", "wide_trainable"):
         kb.clear_plans()
-        dtype = torch.float16 if kind == "fp16_trainable" else torch.bfloat16
-        decay = torch.tensor(GAMMAS, dtype=torch.float32, device="cuda").requires_grad_(kind == "fp16_trainable")
+        dtype = torch.float16 if kind == "wide_trainable" else torch.bfloat16
+        decay = torch.tensor(GAMMAS, dtype=torch.float32, device="cuda").requires_grad_(kind == "wide_trainable")
         results = []
         for _ in range(2):
-            (q, k, v), grad = _leaves((1, h, 100), 64, 64, dtype, 3, "bhnd")
+            (q, k, v), grad = _leaves((1, h, 100), 64, 160 if kind == "wide_trainable" else 64, dtype, 3, "bhnd")
             s0 = torch.ones(1, h, 64, 64, device="cuda") if kind == "initial_state" else None
             res = rtkernels.causal_linear_attention(q, k, v, decay, method="chunk", initial_state=s0,
                                                     return_state=kind == "final_state")

@@ -443,19 +443,20 @@ def outputs_per_sequence(fn, q, k, v, s0, layout, lens=KLENS):
 @pytest.mark.parametrize("form", ["decay", "decay_rate"])
 @pytest.mark.parametrize("dims, layout", [((64, 96), "bhnd"), ((40, 72), "bnhd"), ((200, 40), "bhnd"),
                                           ((128, 128), "bnhd")], ids=["64x96", "40x72", "200x40", "128x128"])
-def test_kernel_path_trainable_decay(kernel_path, dims, layout, form, with_s0, stateful):
-    """A CUDA decay tensor that requires grad, bf16: the forward and the three backward passes on
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_kernel_path_trainable_decay(kernel_path, dtype, dims, layout, form, with_s0, stateful):
+    """A CUDA decay tensor that requires grad, bf16 and fp16: the forward and the three backward passes on
     the kernels, the dq pass summing dL/dgamma (dL/dr for rates) over the packed sequences (empty
     ones, 1, 63, 64, 65 and 2000 tokens; gamma 1e-6, 0.9, 0.99, 1); ``stateful``: the final states
     are returned and in the loss too (their term <G[s], W_end> per sequence). Against the fp64
-    reference per sequence (the decay gradient within bf16's tolerance of its magnitude: the same
-    sums over absolute values) and against one ordinary call per sequence; dq, dk, dv and
+    reference per sequence (the decay gradient within the dtype's tolerance of its magnitude: the
+    same sums over absolute values) and against one ordinary call per sequence; dq, dk, dv and
     d(initial state) as without a trainable decay."""
     dk, dv = dims
-    q, k, v, s0, gamma = kernel_inputs(torch.bfloat16, dk, dv, layout, seed=3)
+    q, k, v, s0, gamma = kernel_inputs(dtype, dk, dv, layout, seed=3)
     decay = gamma if form == "decay" else -torch.log(gamma)
     gen = torch.Generator().manual_seed(10)
-    w_out = torch.randn(q.shape[:3] + (dv,), generator=gen, dtype=F64).to(torch.bfloat16).to("cuda", F64)
+    w_out = torch.randn(q.shape[:3] + (dv,), generator=gen, dtype=F64).to(dtype).to("cuda", F64)
     w_state = torch.randn(len(KLENS), H, dk, dv, generator=gen, dtype=F64).to("cuda")
 
     def grads(fn, absolute=False):
@@ -491,16 +492,16 @@ def test_kernel_path_trainable_decay(kernel_path, dims, layout, form, with_s0, s
     ro, want = grads(fp64)
     _, mag = grads(fp64, absolute=True)
     _, each = grads(calls)
-    assert_close(out, ro, torch.bfloat16, "output vs fp64 reference", KN)
+    assert_close(out, ro, dtype, "output vs fp64 reference", KN)
     names = ("dq", "dk", "dv", "dinitial_state")[:3 + with_s0] + (f"d{form}",)
     for name, a, b, c, m in zip(names, got, want, each, mag):
         if name.startswith("dd"):
             assert a.dtype == decay.dtype and a.shape == decay.shape
-            assert_close_to_magnitude(a, b, m, torch.bfloat16, f"{name} vs fp64 reference", KN)
-            assert_close_to_magnitude(a, c.double(), m, torch.bfloat16, f"{name} vs one call per sequence", KN)
+            assert_close_to_magnitude(a, b, m, dtype, f"{name} vs fp64 reference", KN)
+            assert_close_to_magnitude(a, c.double(), m, dtype, f"{name} vs one call per sequence", KN)
         else:
-            assert_close(a, b, torch.bfloat16, f"{name} vs fp64 reference", KN)
-            assert_close(a, c.double(), torch.bfloat16, f"{name} vs one call per sequence", KN)
+            assert_close(a, b, dtype, f"{name} vs fp64 reference", KN)
+            assert_close(a, c.double(), dtype, f"{name} vs one call per sequence", KN)
 
 
 def test_kernel_path_trainable_decay_no_sync_and_graph(kernel_path):
@@ -537,15 +538,15 @@ def test_kernel_path_trainable_decay_invalid_offsets_give_nan(kernel_path):
     assert torch.isnan(out).all() and all(torch.isnan(g).all() for g in grads)
 
 
-@pytest.mark.parametrize("case", ["fp16", "unaligned"])
+@pytest.mark.parametrize("case", ["fp32", "unaligned"])
 def test_trainable_decay_elsewhere_runs_the_torch_path(monkeypatch, case):
-    """Where the dq pass cannot sum dlog(gamma) (fp16, rows not 16-byte aligned), a packed call with
-    a trainable decay runs the torch path, with the right gradient."""
+    """Where the dq pass cannot sum dlog(gamma) (float32, rows not 16-byte aligned), a packed call
+    with a trainable decay runs the torch path, with the right gradient."""
     from rtkernels import varlen as torch_varlen
 
     ran, real = [], torch_varlen.varlen_attention
     monkeypatch.setattr(torch_varlen, "varlen_attention", lambda *a, **kw: ran.append(1) or real(*a, **kw))
-    dtype = torch.float16 if case == "fp16" else torch.bfloat16
+    dtype = torch.float32 if case == "fp32" else torch.bfloat16
     q, k, v, s0, gamma = kernel_inputs(dtype, 37 if case == "unaligned" else 64, 96, "bhnd", lens=(65, 0, 200))
     decay = gamma.clone().requires_grad_()
     out = rtkernels.causal_linear_attention(q, k, v, decay, cu_seqlens=offsets((65, 0, 200)))

@@ -78,18 +78,19 @@ struct rtk_chunk_decay {
 // (hi: registers 2, 3). S takes gamma^(len-1-s); with DERIV, W = dS/dlog(gamma) also takes
 // (len-1-s) gamma^(len-1-s). Rows s >= len weigh 0 (the tile's rows past a short last chunk).
 // rev: the fragment's rows are a tile's rows backwards (row r holds key C-1-r of the chunk: a
-// reversed pass's tensor-copy boxes, read in the order the copy wrote them).
+// reversed pass's tensor-copy boxes, read in the order the copy wrote them). dn: W's weights times
+// rtk_dlog_norm (fp16's W is carried as W dn; 1 otherwise).
 template <int DT, bool DERIV>
 struct rtk_key_weights {
   rtk_u32 lo, hi, dlo, dhi;
 
-  __device__ __forceinline__ rtk_key_weights(float lg2, int len, int kk, int t4, bool rev = false) {
+  __device__ __forceinline__ rtk_key_weights(float lg2, int len, int kk, int t4, bool rev = false, float dn = 1.f) {
     float e[4], d[4];
     #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = kk * 16 + 2 * t4 + (i >> 1) * 8 + (i & 1), s = rev ? 63 - r : r;
       e[i] = s < len ? rtk_exp2(lg2 * (float)(len - 1 - s)) : 0.f;
-      d[i] = (float)(len - 1 - s) * e[i];
+      d[i] = DT == RTK_F16 ? (float)(len - 1 - s) * dn * e[i] : (float)(len - 1 - s) * e[i];
     }
     lo = rtk_pack2<DT>(e[0], e[1]);
     hi = rtk_pack2<DT>(e[2], e[3]);
@@ -111,3 +112,21 @@ struct rtk_key_weights {
     a[3] = rtk_mul2<DT>(a[3], hi);
   }
 };
+
+// The power of two dn that fp16 carries W = dS/dlog(gamma) scaled by (W dn in the state warps'
+// registers, in the slots of the states pass and in the 16-bit weights (len-1-s) gamma^(len-1-s) dn
+// of its chunk sums): the largest weight, n1 = max over m = 1..63 of m gamma^m, times dn lies in
+// (1/2, 1]. Unscaled, fp16 would overflow near gamma = 1 (weights up to 63, times k) and lose W's
+// leading term to a subnormal for small gamma (its weight is gamma: 1e-6 has 4 bits in fp16). At
+// most 2^126, so that dn and 1/dn stay normal floats; 1 for bf16 (its range needs none) and for a
+// gamma that is not a number.
+template <int DT> __device__ __forceinline__ float rtk_dlog_norm(float lg2) {
+  if (DT != RTK_F16) return 1.f;
+  float n1 = 0.f;
+  #pragma unroll 1
+  for (int m = 1; m < 64; ++m) n1 = fmaxf(n1, (float)m * exp2f(lg2 * (float)m));
+  if (!(n1 > 0.f) || n1 > 1e30f) return 1.f;
+  int e;
+  frexpf(n1, &e);  // n1 = f 2^e, f in [1/2, 1)
+  return ldexpf(1.f, -max(-126, min(126, e)));
+}

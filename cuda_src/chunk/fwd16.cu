@@ -35,13 +35,15 @@
 // the cleaned P k product, as v's does for o.
 //
 // DLOG (the backward's dq pass of a trainable decay: q = dL/do, k = v, v = k of the forward, x = its
-// q, read with v's strides; wgmma, bf16, BV 64): the pass also sums its share of dL/dlog(gamma),
+// q, read with v's strides; wgmma, BV 64): the pass also sums its share of dL/dlog(gamma),
 //   scale * sum_t x_t . ( (t+1) gamma^(t+1) q_t S + gamma^(t+1) q_t W )
 //     + sum_{s<t} (t-s) P_ts (x_t . v_s)                       (P_ts = scale gamma^(t-s) q_t . k_s)
 // per chunk, over this tile's BV columns (the tiles' sums add up to the whole, every term being
 // linear in x and v), with W = dS/dlog(gamma) carried beside S by the state warps,
 //   W = gamma^len (W + len S) + sum_s (len-1-s) gamma^(len-1-s) k_s^T v_s,
-// and published as a 16-bit copy like S's. With a final-state gradient G (p.dlog_g), the CTA
+// and published as a 16-bit copy like S's. fp16 carries W times dn (rtk_dlog_norm: no overflow near
+// gamma = 1, no subnormal weights for small gamma) and scales its copy by its own power of two, as
+// it does S's. With a final-state gradient G (p.dlog_g), the CTA
 // that ends the sequence adds <G, W_end> over its tile: W's fp32 registers dotted by the state
 // warps. Each CTA writes one float to dlog_out[segment][row][tile][h];
 // rtkernels/methods/chunk/decay_grad.py has the math and the sum over the CTAs. Split into
@@ -66,7 +68,7 @@
 // WG (sm_90a only, KMAX <= 128, BV a multiple of 64): the output warps form one warpgroup that
 // computes the chunk with wgmma (q k^T and q S from shared memory, P v with P from registers);
 // otherwise each output warp uses mma.sync on its 16 rows.
-// DLOG: see the header (16-byte aligned rows, wgmma, bf16, BV 64, not RTK_MODE_STATES).
+// DLOG: see the header (16-byte aligned rows, wgmma, BV 64, not RTK_MODE_STATES).
 // STAGES: chunks of q/k/v tiles in shared memory: 2 (chunk c + 1 loading while c is computed) or,
 // wgmma without DLOG, 3 (chunks c + 1 and c + 2 loading: twice the bytes in flight).
 // DUAL: see the header (16-byte aligned rows, wgmma, two stages, one value tile: Dv <= BV).
@@ -90,8 +92,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   constexpr rtk_u32 EXP = rtk_expmask<DT>::v;
   static_assert(BV % 16 == 0 && KMAX % 64 == 0, "bad tile");
   static_assert(!WG || (KMAX <= 128 && BV % 64 == 0), "bad wgmma tile");
-  // (the W copy would need fp16's scaling of the S copy; bf16 has the range)
-  static_assert(!DLOG || (WG && VEC && BV == 64 && DT == RTK_BF16), "bad dlog tile");
+  static_assert(!DLOG || (WG && VEC && BV == 64), "bad dlog tile");
   static_assert(STAGES == 2 || (STAGES == 3 && WG && VEC && !DLOG), "bad stages");
   static_assert(!DUAL || (WG && VEC && !DLOG && STAGES == 2), "bad dual tile");
   static_assert(L::BYTES <= 227 * 1024, "shared memory");
@@ -103,14 +104,14 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   // fp16 only: each state warp publishes max|S| of its rows (or -1 when not finite) for the copy of
   // S entering chunk c in slot c % 2; the state warps read the 4 values after a barrier of their
   // own, the output warps after the CTA barrier ending the period before chunk c, and both derive
-  // the same power of two 2^e, max|S| * 2^e <= 2^14.
+  // the same power of two 2^e, max|S| * 2^e <= 2^14. DLOG: W's at s_red[8 ..] (base 8), likewise.
   float* s_red = reinterpret_cast<float*>(smem_raw + L::ELEMS * 2);
-  rtk_u32* or_ring = reinterpret_cast<rtk_u32*>(smem_raw + L::ELEMS * 2 + 32);  // rtk_cta_sync_or
-  auto copy_exponent = [&](int slot) -> int {
+  rtk_u32* or_ring = reinterpret_cast<rtk_u32*>(smem_raw + L::ELEMS * 2 + L::RED);  // rtk_cta_sync_or
+  auto copy_exponent = [&](int slot, int base = 0) -> int {
     float m = 0.f;
     bool fin = true;
     for (int i = 0; i < 4; ++i) {
-      const float x = s_red[slot * 4 + i];
+      const float x = s_red[base + slot * 4 + i];
       fin = fin && x >= 0.f;
       m = fmaxf(m, x);
     }
@@ -217,6 +218,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     };
     float s_inv = 1.f;  // the state copy holds S * 2^e (fp16); s_inv = 2^-e
     float dlog_sum = 0.f;  // DLOG: this thread's share of the CTA's sum
+    const float w_unnorm = DLOG ? 1.f / rtk_dlog_norm<DT>(lg2) : 1.f;  // fp16's W copy holds W dn 2^e'
     if (SERIAL) rtk_cta_sync();  // (the state warps' next_copy)
     bool v_bad = end_period(0);   // chunk 0 and the first state copy are in place
     auto out_end = [&](int chunk) -> bool {
@@ -229,6 +231,9 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       if (DT == RTK_F16) s_inv = exp2f((float)-copy_exponent(slot));
       // wgmma: the factors of the rows against the state copy, gamma^(t+1) * scale (and fp16's 2^-e)
       const float f_lo = dec.inter0 * s_inv * dec.row_lo, f_hi = dec.inter0 * s_inv * dec.row_hi;
+      // DLOG: the same for the rows against the W copy (fp16: its own 2^-e', and 1 / dn)
+      const float w_inv = DT == RTK_F16 && DLOG ? exp2f((float)-copy_exponent(slot, 8)) * w_unnorm : s_inv;
+      const float fw_lo = dec.inter0 * w_inv * dec.row_lo, fw_hi = dec.inter0 * w_inv * dec.row_hi;
       const rtk_u32 sS_addr = rtk_smem_addr(sm + L::S + (L::NCOPY == 2 ? slot : 0) * L::SCOPY);
       const int n0 = chunk * C;
       const int len = min(C, NS - n0);
@@ -297,7 +302,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
           #pragma unroll
           for (int hh = 0; hh < 2; ++hh) {
             const int t = r0 + g + 8 * hh;
-            const float tw = (float)(t + 1), f = hh ? f_hi : f_lo;
+            const float tw = (float)(t + 1), f = hh ? fw_hi : fw_lo;
             #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
               float x0, x1;
@@ -415,7 +420,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       v_bad = out_end(chunk);  // done with this stage and this state copy
     }
     if (WG && (osend || (DUAL && osend2))) rtk_bulk_wait_all<0>();
-    if constexpr (DLOG) {  // this warp's share of the CTA's sum (bf16: s_red, fp16's, is free)
+    if constexpr (DLOG) {  // this warp's share of the CTA's sum (s_red[0 .. 7]: fp16's S maxima, no longer read)
       #pragma unroll
       for (int off = 16; off > 0; off >>= 1) dlog_sum += __shfl_xor_sync(0xffffffffu, dlog_sum, off);
       if (lane == 0) s_red[w] = dlog_sum;
@@ -429,6 +434,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     const int sr0 = (warp - 4) * (WG ? 16 : MT * 16);
     float s_acc[MT][NT][4];
     float w_acc[DLOG ? MT : 1][NT][4];  // DLOG: W = dS/dlog(gamma), from 0 (or the folded slots)
+    const float dn = DLOG ? rtk_dlog_norm<DT>(lg2) : 1.f;  // fp16: w_acc holds W dn (decay.cuh)
     #pragma unroll
     for (int mt = 0; mt < (DLOG ? MT : 1); ++mt) rtk_zero(w_acc[mt]);
     const rtk_chunk_state<MT, NT, MSTEP> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here,
@@ -436,25 +442,30 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     if (mode == RTK_MODE_FOLD) {
       const float lgd = rtk_head_log_decay(decay, decay_mode, h);
       const int per_seg = (int)(seg_len / p.fold_len);
-      if constexpr (DLOG) sf.template fold_with<true>(s_acc, w_acc, init_state, lgd, p.fold_len, per_seg, gridDim.x);
+      if constexpr (DLOG)
+        sf.template fold_with<true, DT == RTK_F16>(s_acc, w_acc, init_state, lgd, p.fold_len, per_seg, gridDim.x, dn);
       else sf.fold(s_acc, init_state, lgd, p.fold_len, per_seg, gridDim.x);
     } else {
       sf.load(s_acc, init_state);
     }
     if (seq_bad) rtk_frag_scale(s_acc, __int_as_float(0x7fc00000));  // invalid packed offsets: NaN states
-    auto publish_max = [&](int slot) {  // fp16
+    auto publish_max = [&](int slot) {  // fp16 (DLOG: W's too, at base 8)
       if (DT != RTK_F16) return;
-      float m = 0.f;
-      #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      auto warp_max = [&](const float (&x)[MT][NT][4], int base) {
+        float m = 0.f;
         #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+        for (int mt = 0; mt < MT; ++mt)
           #pragma unroll
-          for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(s_acc[mt][nt][e]));
-      const bool fin = __all_sync(0xffffffffu, m < 3.0e38f);  // false for Inf and NaN anywhere
-      #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-      if (lane == 0) s_red[slot * 4 + warp - 4] = fin ? m : -1.f;
+          for (int nt = 0; nt < NT; ++nt)
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(x[mt][nt][e]));
+        const bool fin = __all_sync(0xffffffffu, m < 3.0e38f);  // false for Inf and NaN anywhere
+        #pragma unroll
+        for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+        if (lane == 0) s_red[base + slot * 4 + warp - 4] = fin ? m : -1.f;
+      };
+      warp_max(s_acc, 0);
+      if constexpr (DLOG) warp_max(w_acc, 8);
     };
     // the copy of S entering chunk c: copy c % 2, with fp16 scaling slot c % 2 (after publish_max
     // and a CTA barrier)
@@ -465,9 +476,10 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         rtk_store_pair<DT>(sS + L::s_off(r, c >> 3) + (c & 7), lo * mul, hi * mul);
       });
       if constexpr (DLOG) {
+        const float wmul = DT == RTK_F16 ? exp2f((float)copy_exponent(slot, 8)) : 1.f;
         rtk_u16* sW = sm + L::W + slot * L::SCOPY;
         sf.pairs(w_acc, [&](int r, int c, float lo, float hi) {
-          rtk_store_pair<DT>(sW + L::s_off(r, c >> 3) + (c & 7), lo, hi);
+          rtk_store_pair<DT>(sW + L::s_off(r, c >> 3) + (c & 7), lo * wmul, hi * wmul);
         });
       }
     };
@@ -496,12 +508,12 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
       // ---- state warps: S = gamma^len S + (K * w)^T V, w_s = gamma^(len-1-s) ----------------
       const float carry = rtk_exp2(lg2 * (float)len);
-      if constexpr (DLOG) rtk_frag_dlog_step(w_acc, s_acc, carry, len);  // before S moves on
+      if constexpr (DLOG) rtk_frag_dlog_step<DT == RTK_F16>(w_acc, s_acc, carry, len, dn);  // before S moves on
       rtk_frag_scale(s_acc, carry);
       // k-step kk (tokens s = 16 kk ..): a[mt] = the A fragment of (k_s gamma^(len-1-s))^T for
       // m-tile mt, and for W a2[mt] of (k_s (len-1-s) gamma^(len-1-s))^T (weights 0 past len)
       auto weighted_k = [&](int kk, rtk_u32 (&a)[MT][4], rtk_u32 (&a2)[MT][4]) {
-        const rtk_key_weights<DT, DLOG> kw(lg2, len, kk, t4);
+        const rtk_key_weights<DT, DLOG> kw(lg2, len, kk, t4, false, dn);
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * L::qk_off(kk * 16 + (lane & 7) + (lane >> 4) * 8,
@@ -569,6 +581,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       float gw = (ends && p.dlog_g != 0)
                      ? sf.dot_transposed(w_acc, reinterpret_cast<const float*>(p.dlog_g) + (rtk_i64)bh * Dk * Dv)
                      : 0.f;
+      if (DT == RTK_F16) gw *= 1.f / dn;
       #pragma unroll
       for (int off = 16; off > 0; off >>= 1) gw += __shfl_xor_sync(0xffffffffu, gw, off);
       if (lane == 0) s_red[warp] = gw;

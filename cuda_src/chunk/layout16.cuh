@@ -23,8 +23,9 @@ struct rtk_chunk_smem {
   static constexpr int W = S + NCOPY * SCOPY;  // DLOG: the copies of W, as those of S
   static constexpr int OS = (DUAL && KMAX > BV ? KMAX : BV) + 8, O = W + (DLOG ? NCOPY * SCOPY : 0);
   static constexpr int ALIGN = SW ? 1024 : 0;            // slack for aligning the base
-  // + fp16 scaling: max|S| of the 4 state warps, 2 slots; + rtk_cta_sync_or's ring (2 words)
-  static constexpr int TAIL = 32 + 8 + ALIGN;
+  // + fp16 scaling: max|S| of the 4 state warps, 2 slots (DLOG: and max|W|), RED bytes; + rtk_cta_sync_or's
+  // ring (2 words)
+  static constexpr int RED = DLOG ? 64 : 32, TAIL = RED + 8 + ALIGN;
   static constexpr int OBUF = !DUAL && (O + 2 * C * OS) * 2 + TAIL <= 227 * 1024 ? 2 : 1;
   static constexpr int ELEMS = O + (SW ? OBUF * C * OS : 0);
   static constexpr int BYTES = ELEMS * 2 + TAIL;

@@ -31,7 +31,7 @@
 // DLOG (the split dq pass of a trainable decay, rtk_chunk_fwd's DLOG): each segment also carries
 // W = dS/dlog(gamma), W = gamma^len (W + len S) + sum_s (len-1-s) gamma^(len-1-s) k_s^T v_s from
 // 0, into the W slots that follow the S slots (W slot z + 1 at slot gridDim.z + 1 + z + 1); BV 64
-// (S and W in registers).
+// (S and W in registers). fp16 carries and stores W times rtk_dlog_norm (chunk/decay.cuh).
 #include "../include/copy.cuh"
 #include "../include/mma_sm80.cuh"
 #include "../include/params.cuh"
@@ -156,8 +156,9 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
   // the key weights of a whole chunk (every chunk of a slot: slots are whole chunks), computed once
   // instead of per chunk: the pass issues instructions about half the cycles with two warps per
   // scheduler, so per-chunk work that repeats is time
-  const rtk_key_weights<DT, DLOG> kw_whole[4] = {{lg2, C, 0, t4, TMA && rev}, {lg2, C, 1, t4, TMA && rev},
-                                                 {lg2, C, 2, t4, TMA && rev}, {lg2, C, 3, t4, TMA && rev}};
+  const float dn = DLOG ? rtk_dlog_norm<DT>(lg2) : 1.f;  // fp16 carries W dn (decay.cuh)
+  const rtk_key_weights<DT, DLOG> kw_whole[4] = {{lg2, C, 0, t4, TMA && rev, dn}, {lg2, C, 1, t4, TMA && rev, dn},
+                                                 {lg2, C, 2, t4, TMA && rev, dn}, {lg2, C, 3, t4, TMA && rev, dn}};
   #pragma unroll 1
   for (int chunk = 0; chunk < nchunks; ++chunk) {
     if constexpr (TMA) {
@@ -175,7 +176,7 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
     const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
     const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
     const float carry = rtk_exp2(lg2 * (float)len);
-    if constexpr (DLOG) rtk_frag_dlog_step(w_acc, s_acc, carry, len);  // before S moves on
+    if constexpr (DLOG) rtk_frag_dlog_step<DT == RTK_F16>(w_acc, s_acc, carry, len, dn);  // before S moves on
     rtk_frag_scale(s_acc, carry);
     if constexpr (TMA) {
       // every k-step's weighted k^T fragments, then S (+ W) += A V as one wgmma group. A k-step's
@@ -187,7 +188,7 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
       #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         const int j = rev ? 3 - kk : kk;
-        const rtk_key_weights<DT, DLOG> kw = len != C ? rtk_key_weights<DT, DLOG>(lg2, len, j, t4, rev)
+        const rtk_key_weights<DT, DLOG> kw = len != C ? rtk_key_weights<DT, DLOG>(lg2, len, j, t4, rev, dn)
                                              : rev ? kw_whole[3 - kk] : kw_whole[kk];  // no indexed local array
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
@@ -225,7 +226,7 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
       #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         if (kk * 16 < len) {
-          const rtk_key_weights<DT, DLOG> kw = len == C ? kw_whole[kk] : rtk_key_weights<DT, DLOG>(lg2, len, kk, t4);
+          const rtk_key_weights<DT, DLOG> kw = len == C ? kw_whole[kk] : rtk_key_weights<DT, DLOG>(lg2, len, kk, t4, false, dn);
           // every fragment of the k-step first, then the mma: the ldmatrix and mma asm statements
           // are volatile (kept in order), so interleaving them would expose each load's latency
           rtk_u32 a[MT][4], a2[MT][4], bb[NT / 2][4];  // a2: DLOG only

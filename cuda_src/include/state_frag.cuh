@@ -23,16 +23,21 @@ template <int MT, int NT> __device__ __forceinline__ void rtk_frag_zero(float (&
 }
 
 // W = dS/dlog(gamma) before the state's step S <- gamma^len S + (this chunk's keys), which it
-// differentiates: W <- gamma^len (W + len S) (the keys' own term is added with S's).
-template <int MT, int NT>
+// differentiates: W <- gamma^len (W + len S) (the keys' own term is added with S's). NORM (fp16,
+// whose W is carried times dn, rtk_dlog_norm): W dn <- gamma^len W dn + (gamma^len dn len) S, the
+// factor formed first so that a large dn (small gamma) cannot overflow.
+template <bool NORM = false, int MT, int NT>
 __device__ __forceinline__ void rtk_frag_dlog_step(float (&w)[MT][NT][4], const float (&s)[MT][NT][4], float carry,
-                                                   int len) {
+                                                   int len, float dn = 1.f) {
+  const float cl = carry * dn * (float)len;
   #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
       #pragma unroll
-      for (int e = 0; e < 4; ++e) w[mt][nt][e] = carry * (w[mt][nt][e] + (float)len * s[mt][nt][e]);
+      for (int e = 0; e < 4; ++e)
+        w[mt][nt][e] = NORM ? fmaf(cl, s[mt][nt][e], carry * w[mt][nt][e])
+                            : carry * (w[mt][nt][e] + (float)len * s[mt][nt][e]);
 }
 
 // A warp's fp32 fragment of a state (m-tile mt: rows sr0 + MSTEP mt .. + 15, NT n-tiles of value
@@ -93,23 +98,27 @@ struct rtk_chunk_state {
   // fold, and with WITH_W also W = dS/dlog(gamma) entering the segment (the backward's dq pass
   // of a trainable decay) from the W slots that follow the S slots (W slot j: the W of the state
   // in S slot j; slot 0's is 0, the initial state does not depend on gamma): w = W slot[1] (0 for
-  // m = 0), then w = gamma^slot_len (w + slot_len s) + W slot[j], s before its step.
-  template <bool WITH_W>
+  // m = 0), then w = gamma^slot_len (w + slot_len s) + W slot[j], s before its step. NORM: the
+  // slots and w hold W dn (fp16, rtk_frag_dlog_step's NORM).
+  template <bool WITH_W, bool NORM = false>
   __device__ __forceinline__ void fold_with(float (&s_acc)[MT][NT][4], float (&w_acc)[MT][NT][4], const float* slots,
-                                            float lgd, rtk_i64 slot_len, int per_seg, int bh_count) const {
+                                            float lgd, rtk_i64 slot_len, int per_seg, int bh_count,
+                                            float dn = 1.f) const {
     const int m = blockIdx.z * per_seg;
     const rtk_i64 slot = (rtk_i64)bh_count * Dk * Dv;
     const float* w_slots = slots + (rtk_i64)((gridDim.z - 1) * per_seg + 1) * slot;  // after every S slot
     load(s_acc, slots + (m < 1 ? 0 : slot));
     if (WITH_W) load(w_acc, m < 1 ? nullptr : w_slots + slot);
-    const float carry = expf(lgd * (float)slot_len), len = (float)slot_len;
+    const float carry = expf(lgd * (float)slot_len), len = (float)slot_len, cl = carry * dn * len;
     #pragma unroll 1
     for (int j = 2; j <= m; ++j) {
       const float* sj = slots + j * slot;
       const float* wj = w_slots + j * slot;
       elems([&](int mt, int nt, int e, rtk_i64 off, bool real) {
         const float s = s_acc[mt][nt][e];
-        if (WITH_W) w_acc[mt][nt][e] = fmaf(carry, fmaf(len, s, w_acc[mt][nt][e]), real ? wj[off] : 0.f);
+        if (WITH_W)
+          w_acc[mt][nt][e] = NORM ? fmaf(cl, s, fmaf(carry, w_acc[mt][nt][e], real ? wj[off] : 0.f))
+                                  : fmaf(carry, fmaf(len, s, w_acc[mt][nt][e]), real ? wj[off] : 0.f);
         s_acc[mt][nt][e] = fmaf(carry, s, real ? sj[off] : 0.f);
       });
     }

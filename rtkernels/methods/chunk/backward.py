@@ -28,7 +28,7 @@ more time than the three passes). Where that quotient is unsafe it is not formed
 |scale| < :data:`STATE_GRAD_MIN_SCALE` (0 included) keeps the torch products, and a head whose
 gamma is below the compute dtype's eps^2 (:func:`grad_state_entry`) takes its G terms on the last
 token only, the only token where they are not below eps^2 of that token's. dlog(gamma), for a
-trainable decay, is summed by the dq pass itself where that pass runs the wgmma kernel in bf16
+trainable decay, is summed by the dq pass itself where that pass runs the wgmma kernel in 16 bits
 (:func:`rtkernels.methods.chunk.decay_grad.dq_pass_sums`; the same sum, no second walk over the
 sequence), else it is one more kernel where the passes run the chunk kernel:
 :func:`rtkernels.methods.chunk.decay_grad.kernel_log_decay_grad`, which carries W = dS/dlog(gamma)

@@ -46,7 +46,7 @@ with a long sequence leave multiprocessors idle; where they are very few, the fl
 lets two CTAs share a walk, each with half the state's rows (:func:`kernel_config_f32`, SLICES;
 the buffer is then ``[B, 2 tiles, H]``).
 
-**Inside the dq pass.** Where the backward's dq pass runs the wgmma kernel in bf16
+**Inside the dq pass.** Where the backward's dq pass runs the wgmma kernel in fp16 or bf16
 (:func:`dq_pass_sums`), that pass computes the same sum instead of this kernel, with no second walk
 over the sequence (``cuda_src/chunk/fwd16.cu``, DLOG). The pass is the forward operator with
 queries g = dL/do, keys v and values k; a CTA holds S^T (and W^T, carried beside it by the state
@@ -65,6 +65,10 @@ z + 1 start from S and W entering it, W_in(z+1) = gamma^L (W_in(z) + L S_in(z)) 
 segment's length; the derivative of S_in(z+1) = gamma^L S_in(z) + S_own(z)), each writing its own
 partial sum. The products read the 16-bit copies of S
 and W (rounded once, as the forward's S copy), the scores P in fp32 (not rounded to 16 bits).
+fp16 carries W times a power of two dn (``rtk_dlog_norm``: the largest chunk weight m gamma^m times
+dn lies in (1/2, 1], so its 16-bit weights neither overflow near gamma = 1 nor fall to subnormals for
+small gamma; the states pass's W slots hold W dn too), and scales its W copy by a power of two of
+its own, as it does the S copy.
 """
 
 from __future__ import annotations
@@ -272,8 +276,8 @@ class PartialSums:
 def dq_pass_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
                  grad_state: Optional[torch.Tensor]) -> bool:
     """Whether the backward's dq pass over these ``[B, H, N, D]`` views (16-bit CUDA tensors the
-    chunk kernel takes) can sum dlog(gamma) itself (module docstring): bf16, every row 16-byte
-    aligned, q and k with one set of strides (the pass reads q with the strides of its values, k),
+    chunk kernel takes) can sum dlog(gamma) itself (module docstring): fp16 or bf16, every row
+    16-byte aligned, q and k with one set of strides (the pass reads q with the strides of its values, k),
     Dv <= 128 and a GPU that runs the wgmma kernel. A gradient of the final state (``grad_state``)
     is no obstacle: the CTA that ends the sequence adds its term <G, W_end>."""
     return (q.is_cuda and q.stride() == k.stride() and q.stride(-1) == 1

@@ -32,7 +32,7 @@ the host: a call never syncs and can be captured in a CUDA graph.
   (sequence, head, tile of Dk) CTA (:func:`.decay_grad.dq_pass_sums`, the DLOG instance: S and
   W = dS/dlog(gamma) restart at every sequence, W from 0; the CTA ending sequence s adds <G[s], W>
   for a used final state), one row of partial sums per sequence, added per head by the sum kernel.
-  Taken where that pass runs (bf16, 16-byte rows, wgmma); otherwise, as every other call the
+  Taken where that pass runs (fp16 or bf16, 16-byte rows, wgmma); otherwise, as every other call the
   kernels do not take, the whole call runs the torch path of :mod:`rtkernels.varlen`.
 
 Precision is that of the ordinary kernel call per sequence (16-bit operands and state copy, fp32

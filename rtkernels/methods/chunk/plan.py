@@ -150,8 +150,9 @@ def _states_configs() -> set[tuple]:
     plain = {states_config(dt, dk, 128, vec, limit) for dt in (torch.float16, torch.bfloat16)
              for dk in (64, 128, 256) for vec in (False, True) for limit in (SMEM_LIMIT_SM90, *SMEM_LIMITS_OTHER)}
     tma = {states_config(dt, dk, 128, True, SMEM_LIMIT_SM90, dlog, tma=True) for dt in (torch.float16, torch.bfloat16)
-           for dk in (64, 128, 256) for dlog in (False, True) if not dlog or (dt == torch.bfloat16 and dk == 128)}
-    dlog = {states_config(torch.bfloat16, dk, 64, True, SMEM_LIMIT_SM90, dlog=True) for dk in (64, 128)}
+           for dk in (64, 128, 256) for dlog in (False, True) if not dlog or dk == 128}
+    dlog = {states_config(dt, dk, 64, True, SMEM_LIMIT_SM90, dlog=True) for dt in (torch.float16, torch.bfloat16)
+            for dk in (64, 128)}
     return plain | dlog | tma
 
 
@@ -160,7 +161,7 @@ def all_configs() -> list[tuple]:
              for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True) for ctas in (1, 2)}
     wg = {kernel_config(dt, dk, 128, vec, 1, 1, True, bv, stages=st) for dt in (torch.float16, torch.bfloat16)
           for dk in (64, 128) for vec in (False, True) for bv in (64, 128) for st in (2, 3)}
-    dlog = {dlog_config(torch.bfloat16, dk, True) for dk in (64, 128)}
+    dlog = {dlog_config(dt, dk, True) for dt in (torch.float16, torch.bfloat16) for dk in (64, 128)}
     dual = {dual_config(dt, dk, dv, True) for dt in (torch.float16, torch.bfloat16)
             for dk in (64, 128) for dv in (64, 128)}
     return sorted(plain | wg | dlog | dual | _f32_configs())
@@ -169,10 +170,10 @@ def all_configs() -> list[tuple]:
 def dlog_config(dtype: torch.dtype, dk: int, vec: bool) -> Optional[tuple]:
     """Template arguments (DT, KMAX, BV, VEC, MINB, WG, DLOG) of the ``rtk_chunk_fwd`` instance that
     also sums dlog(gamma) (the backward's dq pass of a trainable decay, ``cuda_src/chunk/fwd16.cu``'s
-    header): bf16, 16-byte aligned rows, Dk (the pass's: the forward's Dv) <= 128, on the wgmma
-    kernel with 64-wide value tiles; None where it does not exist. The caller checks that the GPU
-    runs sm_90a code."""
-    if dtype != torch.bfloat16 or not vec or dk > KEY_PIECE:
+    header): fp16 or bf16, 16-byte aligned rows, Dk (the pass's: the forward's Dv) <= 128, on the
+    wgmma kernel with 64-wide value tiles; None where it does not exist. The caller checks that the
+    GPU runs sm_90a code."""
+    if dtype not in (torch.float16, torch.bfloat16) or not vec or dk > KEY_PIECE:
         return None
     return dtype_code(dtype), _kmax(dk), 64, True, 1, True, True
 
@@ -211,7 +212,7 @@ def smem_bytes(kmax: int, bv: int, wg: bool = False, dlog: bool = False, stages:
         x = c * bv if dlog or dual else 0
         w = copies * kmax * bv if dlog else 0
         head = stages * (2 * c * kmax + c * bv + x) + copies * kmax * bv + w
-        fixed = 32 + 8 + 1024
+        fixed = (64 if dlog else 32) + 8 + 1024  # fp16 maxima (of W too with dlog), the OR ring, alignment
         row = (max(kmax, bv) if dual else bv) + 8
         obuf = 2 if not dual and 2 * (head + 2 * c * row) + fixed <= SMEM_LIMIT_SM90 else 1
         return 2 * (head + obuf * c * row) + fixed
