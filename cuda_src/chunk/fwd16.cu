@@ -82,10 +82,14 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   const bool states_only = mode == RTK_MODE_STATES;
   typedef rtk_chunk_smem<KMAX, BV, WG, DLOG, STAGES, DUAL> L;
   // A second CTA barrier per chunk, before the state warps write the next state copy: with one
-  // copy (KMAX 256), and for fp16, whose copy is scaled by the 4 state warps' common maximum
-  // (a barrier of the state warps alone would do, but compute-sanitizer's racecheck reported
-  // hazards on the copy with it in the mma.sync kernel).
-  constexpr bool SERIAL = L::NCOPY == 1 || DT == RTK_F16;
+  // copy (KMAX 256), and for fp16 on the mma.sync kernel, whose copy is scaled by the 4 state warps'
+  // common maximum (a barrier of the state warps alone would do, but compute-sanitizer's racecheck
+  // reported hazards on the copy with it there). fp16 on the wgmma kernel exchanges the maxima at
+  // a barrier of the state warps alone (STATE_BAR): its copies are double-buffered, so the output
+  // warps need not wait for the state warps' update and stores (the fp16 DLOG pass had both
+  // groups meet twice a chunk, its stores of two copies between the meetings).
+  constexpr bool SERIAL = L::NCOPY == 1 || (DT == RTK_F16 && !WG);
+  constexpr bool STATE_BAR = DT == RTK_F16 && !SERIAL;
   constexpr int C = L::C, KS = L::KS, VS = L::VS;
   constexpr int NT = BV / 8;          // n-tiles of the value columns
   constexpr int MT = KMAX / 64;       // m-tiles of state rows per state warp
@@ -484,10 +488,12 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       }
     };
     // once per period (and before the first): with SERIAL a CTA barrier between publishing the
-    // fp16 maximum and writing the copy (and, with one copy, after the output warps' reads of it)
+    // fp16 maximum and writing the copy (and, with one copy, after the output warps' reads of it),
+    // with STATE_BAR a barrier of the state warps there
     auto next_copy = [&](int slot, bool store) {
       publish_max(slot);
       if (SERIAL) rtk_cta_sync();
+      else if (STATE_BAR) rtk_named_sync(2, 128);
       if (store) store_state_copy(slot);
     };
     #pragma unroll
