@@ -41,11 +41,10 @@
 // per chunk, over this tile's BV columns (the tiles' sums add up to the whole, every term being
 // linear in x and v), with W = dS/dlog(gamma) carried beside S by the state warps,
 //   W = gamma^len (W + len S) + sum_s (len-1-s) gamma^(len-1-s) k_s^T v_s,
-// and published as a 16-bit copy like S's. fp16 carries W times dn (rtk_dlog_norm: no overflow near
-// gamma = 1, no subnormal weights for small gamma) and scales its copy by its own power of two, as
-// it does S's. With a final-state gradient G (p.dlog_g), the CTA
-// that ends the sequence adds <G, W_end> over its tile: W's fp32 registers dotted by the state
-// warps. Each CTA writes one float to dlog_out[segment][row][tile][h];
+// and published as a 16-bit copy like S's (fp16: W times dn, rtk_dlog_norm, its copy scaled by its
+// own power of two). With a final-state gradient G (p.dlog_g), the CTA that ends the sequence adds
+// <G, W_end> over its tile: W's fp32 registers dotted by the state warps. Each CTA writes one float
+// to dlog_out[segment][row][tile][h];
 // rtkernels/methods/chunk/decay_grad.py has the math and the sum over the CTAs. Split into
 // segments (RTK_MODE_FOLD), a CTA starts from S and W entering its segment, which
 // rtk_chunk_states<..., DLOG> leaves in the slots (rtk_chunk_state::fold_with).
@@ -83,11 +82,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   typedef rtk_chunk_smem<KMAX, BV, WG, DLOG, STAGES, DUAL> L;
   // A second CTA barrier per chunk, before the state warps write the next state copy: with one
   // copy (KMAX 256), and for fp16 on the mma.sync kernel, whose copy is scaled by the 4 state warps'
-  // common maximum (a barrier of the state warps alone would do, but compute-sanitizer's racecheck
-  // reported hazards on the copy with it there). fp16 on the wgmma kernel exchanges the maxima at
-  // a barrier of the state warps alone (STATE_BAR): its copies are double-buffered, so the output
-  // warps need not wait for the state warps' update and stores (the fp16 DLOG pass had both
-  // groups meet twice a chunk, its stores of two copies between the meetings).
+  // common maximum (racecheck reported hazards there with a barrier of the state warps alone). The
+  // wgmma kernel's copies are double-buffered: its fp16 state warps meet alone (STATE_BAR).
   constexpr bool SERIAL = L::NCOPY == 1 || (DT == RTK_F16 && !WG);
   constexpr bool STATE_BAR = DT == RTK_F16 && !SERIAL;
   constexpr int C = L::C, KS = L::KS, VS = L::VS;
