@@ -468,7 +468,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       if constexpr (DLOG) warp_max(w_acc, 8);
     };
     // the copy of S entering chunk c: copy c % 2, with fp16 scaling slot c % 2 (after publish_max
-    // and a CTA barrier)
+    // and next_copy's barrier)
     auto store_state_copy = [&](int slot) {
       const float mul = DT == RTK_F16 ? exp2f((float)copy_exponent(slot)) : 1.f;
       rtk_u16* sS = sm + L::S + (L::NCOPY == 2 ? slot : 0) * L::SCOPY;
