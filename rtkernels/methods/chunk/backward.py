@@ -175,17 +175,17 @@ def _add_state_term(dst: torch.Tensor, x: torch.Tensor, m: torch.Tensor, lg: tor
         dst[:, :, rows].add_(to_end[:, rows] * (x[:, :, rows].to(m.dtype) @ m))
 
 
-def grad_state_entry(grad_state: Optional[torch.Tensor], log_decay: LogDecay, dtype: torch.dtype, scale: float
+def grad_state_entry(grad_state: Optional[torch.Tensor], lg: Optional[torch.Tensor], scale: float
                      ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``(X, far)``: the final-state gradient G as the reversed passes' initial state, ``X = G /
-    (scale gamma)`` per head in the compute dtype ``dtype``, and ``far`` (bool ``[H]``): the heads
-    whose gamma is below eps^2 of that dtype, whose X is 0 instead (their G terms before the last
-    token are below eps^2 of the last token's, and the quotient could overflow). NaN in G or in
-    gamma stays NaN. ``(None, None)`` where no G is given or |scale| < :data:`STATE_GRAD_MIN_SCALE`
-    (the caller then adds the G terms by torch products)."""
+    (scale gamma)`` per head in the dtype of ``lg`` (``[H]`` log(gamma) in the compute dtype, given
+    whenever G is), and ``far`` (bool ``[H]``): the heads whose gamma is below eps^2 of that dtype,
+    whose X is 0 instead (their G terms before the last token are below eps^2 of the last token's,
+    and the quotient could overflow). NaN in G or in gamma stays NaN. ``(None, None)`` where no G
+    is given or |scale| < :data:`STATE_GRAD_MIN_SCALE` (the caller then adds the G terms by torch
+    products)."""
     if grad_state is None or abs(scale) < STATE_GRAD_MIN_SCALE:
         return None, None
-    lg = log_decay.tensor(dtype)
     gamma = torch.exp(lg)
     far = gamma < torch.finfo(lg.dtype).eps ** 2
     inv = torch.where(far, torch.zeros_like(gamma), 1.0 / (scale * gamma))
@@ -208,7 +208,7 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
                     dlog_partials: Optional[torch.Tensor] = None, dlog_g: Optional[torch.Tensor] = None,
                     forward_states: Optional[tuple[torch.Tensor, tuple]] = None,
                     fuse_dk_dv: Optional[bool] = False, sequences: int = 0,
-                    state_grad_entry: Optional[torch.Tensor] = None
+                    state_grad_entry: Optional[torch.Tensor] = None, lg: Optional[torch.Tensor] = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
                                Optional[torch.Tensor]]:
     """The three passes of the module docstring, each ``run(q, k, v, log_decay, scale, out,
@@ -228,7 +228,9 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
     the number of packed sequences of ``run``'s passes, 0 for none); True: the caller knows it holds
     (a planned backward repeating one that fused). ``state_grad_entry``: the reversed passes' initial
     state (the dv pass's; its transpose the dk pass's), :func:`grad_state_entry`'s X, or None; R's
-    final state, and so dS_0, then holds the G term gamma^N G too."""
+    final state, and so dS_0, then holds the G term gamma^N G too. ``lg``: log(gamma) in the compute
+    dtype where the caller has formed it (a device decay's costs several operations), else formed
+    here where dS_0 or the G terms need it."""
     cdt = compute_dtype(q.dtype)
     dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
@@ -249,7 +251,8 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
         dk_states = {"states": kept[0]} if kept else {}  # slot 0: the dk pass's initial state, transposed back
         back = run(k, q, grad_out, log_decay, scale, dv, entry, need_state_grad, True, **dk_states)
     # log(gamma) in torch only where the state terms need it (a device decay costs several ops)
-    lg = log_decay.tensor(cdt) if need_state_grad or grad_state is not None else None
+    if lg is None and (need_state_grad or grad_state is not None):
+        lg = log_decay.tensor(cdt)
     d_s0 = back.to(cdt) * (scale * torch.exp(lg)).view(-1, 1, 1) if need_state_grad else None
     return dq, dk, dv, d_s0, lg
 
@@ -345,11 +348,12 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
 
     partials = None if sums is None else sums.buffer()
     g_fp32 = None if sums is None or grad_state is None else grad_state.to(torch.float32).contiguous()
-    entry, far = grad_state_entry(grad_state, log_decay, cdt, scale)  # the G terms ride on the reversed passes
+    lg = None if grad_state is None else log_decay.tensor(cdt)  # formed once for the G terms and dS_0
+    entry, far = grad_state_entry(grad_state, lg, scale)  # the G terms ride on the reversed passes
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
                                            need_state_grad, q.dtype if on_kernel else cdt, partials, g_fp32,
                                            forward_states if on_kernel else None, fuse_dk_dv,
-                                           state_grad_entry=entry)
+                                           state_grad_entry=entry, lg=lg)
     if grad_state is not None:
         g_state = grad_state.to(cdt)
         if entry is None:  # |scale| too small to divide by: torch products over the sequence

@@ -230,10 +230,11 @@ def packed_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
     def run(*args, keep=None, **kw):  # one kernel pass over the same sequences (one segment: no slots to keep)
         return forward_pass(*args, fp32_precision, packed, **kw)
 
-    entry, far = grad_state_entry(grad_state, log_decay, cdt, scale)  # the G terms ride on the reversed passes
+    lg = None if grad_state is None else log_decay.tensor(cdt)  # formed once for the G terms and dS_0
+    entry, far = grad_state_entry(grad_state, lg, scale)  # the G terms ride on the reversed passes
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
                                            need_state_grad, q.dtype, partials, g_fp32, fuse_dk_dv=None,
-                                           sequences=packed[0].shape[0] - 1, state_grad_entry=entry)
+                                           sequences=packed[0].shape[0] - 1, state_grad_entry=entry, lg=lg)
     if grad_state is not None:
         cu64 = packed[0]
         g_state = grad_state.to(cdt)
