@@ -24,8 +24,9 @@ BF16 = torch.bfloat16
 #: fp16 carries W scaled by a power of two and scales its W copy as its S copy (fwd16.cu's header)
 DTYPES = (torch.bfloat16, torch.float16)
 NS = (1, 63, 64, 65, 1000, 4096)
-#: (Dk, Dv): partial value tiles (16, 40, 200 columns of Dk in tiles of 64), KMAX 64 and 128, Dk != Dv
-SIZES = [(16, 16), (40, 72), (64, 64), (128, 128), (200, 40), (256, 128)]
+#: (Dk, Dv): partial value tiles (16, 40, 112, 200 columns of Dk in tiles of 64), KMAX 64 and 128
+#: (Dv 96: rows of S past Dv), Dk != Dv
+SIZES = [(16, 16), (40, 72), (64, 64), (128, 128), (200, 40), (256, 128), (112, 96)]
 
 
 @pytest.fixture(autouse=True)

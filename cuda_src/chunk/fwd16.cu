@@ -56,6 +56,7 @@
 #include "../include/wgmma_sm90.cuh"
 #include "cta.cuh"
 #include "decay.cuh"
+#include "dlog_rows.cuh"
 #include "epilogue.cuh"
 #include "layout16.cuh"
 #include "loader.cuh"
@@ -80,10 +81,10 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   const int mode = (int)p.mode;
   const bool states_only = mode == RTK_MODE_STATES;
   typedef rtk_chunk_smem<KMAX, BV, WG, DLOG, STAGES, DUAL> L;
-  // A second CTA barrier per chunk, before the state warps write the next state copy: with one
-  // copy (KMAX 256), and for fp16 on the mma.sync kernel, whose copy is scaled by the 4 state warps'
-  // common maximum (racecheck reported hazards there with a barrier of the state warps alone). The
-  // wgmma kernel's copies are double-buffered: its fp16 state warps meet alone (STATE_BAR).
+  // A second CTA barrier per chunk before the state warps write the next copy: with one copy (KMAX
+  // 256), and for fp16 on the mma.sync kernel, whose copy is scaled by the 4 state warps' common
+  // maximum (racecheck reported hazards with a barrier of the state warps alone). The wgmma
+  // kernel's fp16 state warps meet alone (STATE_BAR; its copies are double-buffered).
   constexpr bool SERIAL = L::NCOPY == 1 || (DT == RTK_F16 && !WG);
   constexpr bool STATE_BAR = DT == RTK_F16 && !SERIAL;
   constexpr int C = L::C, KS = L::KS, VS = L::VS;
@@ -259,58 +260,51 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         // q k^T for all 64 x 64 pairs and q S, both from shared memory, as two wgmma groups
         float (&pa)[32] = reinterpret_cast<float (&)[32]>(p);
         const unsigned long long dq = rtk_wg_desc(sQ_addr, 16, 1024), dk = rtk_wg_desc(sK_addr, 16, 1024);
-        const unsigned long long ds = rtk_wg_desc(sS_addr, RTK_MN_LBO(KMAX * 128), RTK_MN_SBO(KMAX * 128));
-        rtk_wg_fence();
-        #pragma unroll
-        for (int ks = 0; ks < KMAX / 16; ++ks) rtk_wgmma_ss<DT, 0>(pa, rtk_desc_at(dq, kmaj(ks)), rtk_desc_at(dk, kmaj(ks)), ks);
-        rtk_wg_commit();
-        #pragma unroll
-        for (int nb = 0; nb < BV / 64; ++nb) {
-          float (&oa)[32] = reinterpret_cast<float (&)[32]>(o_acc[8 * nb]);
+        auto scores = [&]() {
           #pragma unroll
-          for (int ks = 0; ks < KMAX / 16; ++ks)
-            rtk_wgmma_ss<DT, 1>(oa, rtk_desc_at(dq, kmaj(ks)), rtk_desc_at(ds, (nb * (KMAX * 128) + ks * 2048) >> 4), ks);
-        }
-        rtk_wg_commit();
-        float wacc[DLOG ? 32 : 1], xv[DLOG ? 32 : 1];  // DLOG: q W (rows of the W copy), x v^T
-        if constexpr (DLOG) {
-          const rtk_u32 sW_addr = rtk_smem_addr(sm + L::W + slot * L::SCOPY);
-          const rtk_u32 sX_addr = rtk_smem_addr(sm + stage * L::STAGE + L::X);
-          const unsigned long long dw = rtk_wg_desc(sW_addr, RTK_MN_LBO(KMAX * 128), RTK_MN_SBO(KMAX * 128));
-          const unsigned long long dx = rtk_wg_desc(sX_addr, 16, 1024), dvk = rtk_wg_desc(sV_addr, 16, 1024);
+          for (int ks = 0; ks < KMAX / 16; ++ks) rtk_wgmma_ss<DT, 0>(pa, rtk_desc_at(dq, kmaj(ks)), rtk_desc_at(dk, kmaj(ks)), ks);
+        };
+        auto times_copy = [&](float (&acc)[NT][4], rtk_u32 copy_addr) {  // acc = q (copy), one group
+          const unsigned long long ds = rtk_wg_desc(copy_addr, RTK_MN_LBO(KMAX * 128), RTK_MN_SBO(KMAX * 128));
           #pragma unroll
-          for (int ks = 0; ks < KMAX / 16; ++ks)
-            rtk_wgmma_ss<DT, 1>(wacc, rtk_desc_at(dq, kmaj(ks)), rtk_desc_at(dw, (ks * 2048) >> 4), ks);
-          #pragma unroll
-          for (int ks = 0; ks < BV / 16; ++ks) rtk_wgmma_ss<DT, 0>(xv, rtk_desc_at(dx, kmaj(ks)), rtk_desc_at(dvk, kmaj(ks)), ks);
+          for (int nb = 0; nb < BV / 64; ++nb)
+            #pragma unroll
+            for (int ks = 0; ks < KMAX / 16; ++ks)
+              rtk_wgmma_ss<DT, 1>(reinterpret_cast<float (&)[32]>(acc[8 * nb]), rtk_desc_at(dq, kmaj(ks)),
+                                  rtk_desc_at(ds, (nb * (KMAX * 128) + ks * 2048) >> 4), ks);
           rtk_wg_commit();
-        }
-        rtk_chunk_land<DLOG ? 2 : 1>(p, o_acc, f_lo, f_hi, scale_scores);
-        if constexpr (DLOG) {
-          rtk_wg_pin(wacc);
-          rtk_wg_pin(xv);
-          // sum_{s<t} (t-s) P_ts (x_t . v_s): a select above and on the diagonal (x.v may be Inf)
-          #pragma unroll
-          for (int j = 0; j < 8; ++j)
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int d = r0 + g + (e >> 1) * 8 - (8 * j + 2 * t4 + (e & 1));
-              dlog_sum += d > 0 ? (float)d * p[j][e] * xv[4 * j + e] : 0.f;
-            }
-          // x_t . ((t+1) gamma^(t+1) scale q_t S + gamma^(t+1) scale q_t W), before P v joins o_acc
+        };
+        rtk_wg_fence();
+        if constexpr (DLOG) {  // q W, then q k^T and x v^T, then q S: W's term is summed (registers freed) first
           const rtk_u16* sX = sm + stage * L::STAGE + L::X;
-          #pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int t = r0 + g + 8 * hh;
-            const float tw = (float)(t + 1), f = hh ? fw_hi : fw_lo;
+          auto xoff = [](int r, int pc) { return L::v_off(r, pc); };
+          const unsigned long long dx = rtk_wg_desc(rtk_smem_addr(sX), 16, 1024), dvk = rtk_wg_desc(sV_addr, 16, 1024);
+          float xv[32];  // x v^T
+          {
+            float wacc[NT][4];
+            times_copy(wacc, rtk_smem_addr(sm + L::W + slot * L::SCOPY));
+            scores();
             #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-              float x0, x1;
-              rtk_unpack2<DT>(*reinterpret_cast<const rtk_u32*>(sX + L::v_off(t, nt) + 2 * t4), x0, x1);
-              dlog_sum += x0 * (tw * o_acc[nt][2 * hh] + f * wacc[4 * nt + 2 * hh]) +
-                          x1 * (tw * o_acc[nt][2 * hh + 1] + f * wacc[4 * nt + 2 * hh + 1]);
-            }
+            for (int ks = 0; ks < BV / 16; ++ks) rtk_wgmma_ss<DT, 0>(xv, rtk_desc_at(dx, kmaj(ks)), rtk_desc_at(dvk, kmaj(ks)), ks);
+            rtk_wg_commit();
+            rtk_wg_wait<1>();
+            rtk_wg_pin(reinterpret_cast<float (&)[NT * 4]>(wacc));
+            dlog_sum += rtk_dlog_rows<DT>(wacc, sX, r0, g, t4, fw_lo, fw_hi, xoff);  // x_t . gamma^(t+1) scale q_t W
           }
+          rtk_wg_fence();  // o_acc may take wacc's registers
+          times_copy(o_acc, sS_addr);
+          rtk_chunk_land<1>(p, o_acc, f_lo, f_hi, [&](float (&pp)[8][4]) {
+            scale_scores(pp);
+            rtk_wg_pin(xv);
+            dlog_sum += rtk_dlog_intra(pp, xv, r0, g, t4);  // sum_{s<t} (t-s) P_ts (x_t . v_s)
+          });
+          // x_t . (t+1) gamma^(t+1) scale q_t S, before P v joins o_acc
+          dlog_sum += rtk_dlog_rows<DT>(o_acc, sX, r0, g, t4, (float)(r0 + g + 1), (float)(r0 + g + 9), xoff);
+        } else {
+          scores();
+          rtk_wg_commit();
+          times_copy(o_acc, sS_addr);
+          rtk_chunk_land<1>(p, o_acc, f_lo, f_hi, scale_scores);
         }
         if (!v_bad) {  // P v: P from registers, v from shared memory
           rtk_chunk_pv_wgmma<DT>(o_acc, p, sV_addr);
