@@ -248,10 +248,9 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       float o_acc[NT][4];
       float p[8][4];  // scores of the 16 rows against key tiles 0 .. 2w+1
       bool saw_bad = false;
+      auto voff = [](int r, int pc) { return L::v_off(r, pc); };  // a v-like tile's piece pc of row r
       // o_acc += P[:, 16 kk ..] V[16 kk .., :] by mma.sync (kk a compile-time value)
-      auto pv = [&](int kk) {
-        saw_bad |= rtk_chunk_pv_step<DT>(o_acc, p, kk, sV_addr, lane, v_bad, [](int r, int pc) { return L::v_off(r, pc); });
-      };
+      auto pv = [&](int kk) { saw_bad |= rtk_chunk_pv_step<DT>(o_acc, p, kk, sV_addr, lane, v_bad, voff); };
       // wgmma descriptors: a base per operand, plus the byte offset of each 16-wide k step / 16-row
       // group (>> 4: the start-address field counts 16-byte units, and never overflows here);
       // kmaj: k-step ks of a 64-row tile stored K-major
@@ -277,7 +276,6 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         rtk_wg_fence();
         if constexpr (DLOG) {  // q W, then q k^T and x v^T, then q S: W's term is summed (registers freed) first
           const rtk_u16* sX = sm + stage * L::STAGE + L::X;
-          auto xoff = [](int r, int pc) { return L::v_off(r, pc); };
           const unsigned long long dx = rtk_wg_desc(rtk_smem_addr(sX), 16, 1024), dvk = rtk_wg_desc(sV_addr, 16, 1024);
           float xv[32];  // x v^T
           {
@@ -289,7 +287,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
             rtk_wg_commit();
             rtk_wg_wait<1>();
             rtk_wg_pin(reinterpret_cast<float (&)[NT * 4]>(wacc));
-            dlog_sum += rtk_dlog_rows<DT>(wacc, sX, r0, g, t4, fw_lo, fw_hi, xoff);  // x_t . gamma^(t+1) scale q_t W
+            dlog_sum += rtk_dlog_rows<DT>(wacc, sX, r0, g, t4, fw_lo, fw_hi, voff);  // x_t . gamma^(t+1) scale q_t W
           }
           rtk_wg_fence();  // o_acc may take wacc's registers
           times_copy(o_acc, sS_addr);
@@ -299,7 +297,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
             dlog_sum += rtk_dlog_intra(pp, xv, r0, g, t4);  // sum_{s<t} (t-s) P_ts (x_t . v_s)
           });
           // x_t . (t+1) gamma^(t+1) scale q_t S, before P v joins o_acc
-          dlog_sum += rtk_dlog_rows<DT>(o_acc, sX, r0, g, t4, (float)(r0 + g + 1), (float)(r0 + g + 9), xoff);
+          dlog_sum += rtk_dlog_rows<DT>(o_acc, sX, r0, g, t4, (float)(r0 + g + 1), (float)(r0 + g + 9), voff);
         } else {
           scores();
           rtk_wg_commit();
