@@ -444,17 +444,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     auto publish_max = [&](int slot) {  // fp16 (DLOG: W's too, at base 8)
       if (DT != RTK_F16) return;
       auto warp_max = [&](const float (&x)[MT][NT][4], int base) {
-        float m = 0.f;
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-          #pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) m = fmaxf(m, fabsf(x[mt][nt][e]));
-        const bool fin = __all_sync(0xffffffffu, m < 3.0e38f);  // false for Inf and NaN anywhere
-        #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-        if (lane == 0) s_red[base + slot * 4 + warp - 4] = fin ? m : -1.f;
+        const float m = rtk_frag_warp_absmax(x);
+        if (lane == 0) s_red[base + slot * 4 + warp - 4] = m;
       };
       warp_max(s_acc, 0);
       if constexpr (DLOG) warp_max(w_acc, 8);

@@ -22,6 +22,24 @@ template <int MT, int NT> __device__ __forceinline__ void rtk_frag_zero(float (&
       for (int e = 0; e < 4; ++e) x[mt][nt][e] = 0.f;
 }
 
+// The largest |x| over a warp's MT x NT fragments (a NaN is skipped, as fmaxf skips it), or -1 when
+// that is Inf or above 3e38 (the fp16 copy is then left unscaled). Eight partial maxima keep the
+// dependency chain short, and one redux adds the lanes: the maxima are non-negative and never NaN,
+// so their bit patterns order as their values.
+template <int MT, int NT> __device__ __forceinline__ float rtk_frag_warp_absmax(const float (&x)[MT][NT][4]) {
+  float m[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  #pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) m[(nt & 1) * 4 + e] = fmaxf(m[(nt & 1) * 4 + e], fabsf(x[mt][nt][e]));
+  const float t = fmaxf(fmaxf(fmaxf(m[0], m[1]), fmaxf(m[2], m[3])), fmaxf(fmaxf(m[4], m[5]), fmaxf(m[6], m[7])));
+  rtk_u32 bits;
+  asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(bits) : "r"(__float_as_uint(t)));
+  return bits < __float_as_uint(3.0e38f) ? __uint_as_float(bits) : -1.f;
+}
+
 // W = dS/dlog(gamma) before the state's step S <- gamma^len S + (this chunk's keys), which it
 // differentiates: W <- gamma^len (W + len S) (the keys' own term is added with S's). NORM (fp16,
 // whose W is carried times dn, rtk_dlog_norm): W dn <- gamma^len W dn + (gamma^len dn len) S, the
