@@ -201,12 +201,13 @@ def test_training_step(monkeypatch, dtype):
 
 @pytest.mark.parametrize("segments", [None, 3], ids=["one-pass", "split"])
 def test_fp16_range(monkeypatch, segments):
-    """fp16's scaled W: heads with gamma = 1e-30, 1e-12, 1e-6 (W's leading chunk weight is gamma,
-    zero or a subnormal in fp16 unscaled), 0.5, 0.999 and 1, values of v up to 2000 (the pass's
+    """fp16's scaled W: heads with gamma = 5e-38 (its scale dn is 2^123: a weight formed as
+    (len-1-s) dn gamma^(len-1-s) overflowed), 1e-30, 1e-12, 1e-6 (W's leading chunk weight is
+    gamma, zero or a subnormal in fp16 unscaled), 0.5, 0.999 and 1, values of v up to 2000 (the pass's
     keys: weighted by up to 63 unscaled, they would overflow fp16) over 4096 tokens: every head
     finite and within fp16's relative tolerance of the fp64 gradient (non-negative inputs: no term
     cancels)."""
-    gammas = (1e-30, 1e-12, 1e-6, 0.5, 0.999, 1.0)
+    gammas = (5e-38, 1e-30, 1e-12, 1e-6, 0.5, 0.999, 1.0)
     g = torch.Generator().manual_seed(5)
     b, h, n, d = 1, len(gammas), 4096, 64
 

@@ -90,7 +90,7 @@ struct rtk_key_weights {
     for (int i = 0; i < 4; ++i) {
       const int r = kk * 16 + 2 * t4 + (i >> 1) * 8 + (i & 1), s = rev ? 63 - r : r;
       e[i] = s < len ? rtk_exp2(lg2 * (float)(len - 1 - s)) : 0.f;
-      d[i] = DT == RTK_F16 ? (float)(len - 1 - s) * dn * e[i] : (float)(len - 1 - s) * e[i];
+      d[i] = (float)(len - 1 - s) * (dn * e[i]);  // dn e first: 63 dn overflows fp32 for dn >= 2^123
     }
     lo = rtk_pack2<DT>(e[0], e[1]);
     hi = rtk_pack2<DT>(e[2], e[3]);
