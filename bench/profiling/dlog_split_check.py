@@ -1,9 +1,10 @@
 """Scratch (CPU, fp64, no rtkernels import): checks the "Z split" of dL/dlog(gamma) that
 docs/design.md proposes for the backward, against autograd through a dense reference.
 
-One head, tokens 0..N-1 in chunks of C (t_c = c C), a_ij = (q_i . k_j)(g_i . v_j) with g = dL/do,
-loss L = sum_i g_i . o_i + <G, S_{N-1}>, the initial state S0 a token at position -1. For a pair
-j < i in different chunks, i - j = (i - t_{c_i}) + (t_{c_j + 1} - j) + C (c_i - c_j - 1), so
+One head, tokens 0..N-1 in consecutive chunks (any lengths; t_c the first token of chunk c, L_c its
+length), a_ij = (q_i . k_j)(g_i . v_j) with g = dL/do, loss L = sum_i g_i . o_i + <G, S_{N-1}>, the
+initial state S0 a token at position -1. For a pair j < i in different chunks,
+i - j = (i - t_{c_i}) + (t_{c_j + 1} - j) + (the lengths of the chunks strictly between), so
 
     dL/dlog(gamma) = intra + EA + MID + EB + <S0, dS0> + TG,
 
@@ -11,12 +12,15 @@ every weight non-negative:
 - intra: sum over pairs in one chunk of (i - j) gamma^(i-j) a_ij (the dk/dv pass holds both
   score matrices of a chunk);
 - EA: sum_i (i - t_{c_i}) q_i . dq_i', dq_i' the part of dq_i from earlier chunks (dq pass);
-- MID: C scale sum_i gamma^(i - t_{c_i}) q_i Z_{c_i} g_i^T with Z_0 = 0,
-  Z_{c+1} = gamma^C (Z_c + P_c), P_c = sum_{j < t_c} gamma^(t_c - j) k_j^T v_j + gamma^(t_c + 1) S0
-  (a second state whose step is elementwise: no second weighted product of k and v);
+- MID: scale sum_i gamma^(i - t_{c_i}) q_i Z_{c_i} g_i^T with Z_0 = 0,
+  Z_{c+1} = gamma^(L_c) (Z_c + L_c P_c), P_c = sum_{j < t_c} gamma^(t_c - j) k_j^T v_j
+  + gamma^(t_c + 1) S0: W's step without its second weighted product of k and v;
 - EB: sum_j w_j k_j . dk_j', dk_j' the part of dk_j from later chunks and from G, w_j =
   t_{c_j + 1} - j, or N - 1 - j in the last chunk (dk/dv pass);
-- TG: (N-1-t_l) gamma^(N-1-t_l) <G, P_l> + C gamma^(N-1-t_l) <G, Z_l> for the last chunk l.
+- TG: gamma^(L_l - 1) <G, Z_l + (L_l - 1) P_l> for the last chunk l.
+
+Both chunk grids are checked: from token 0 (the dq pass's today) and ending at token N-1 (the
+reversed dk/dv pass's), which the two passes must share.
 
     python bench/profiling/dlog_split_check.py
 """
@@ -38,36 +42,51 @@ def dense_grad(q, k, v, g, s0, G, gamma, scale):
     return float(d)
 
 
-def split_grad(q, k, v, g, s0, G, gamma, scale, C):
-    """The same derivative as the sum of the split's six terms."""
+def split_grad(q, k, v, g, s0, G, gamma, scale, bounds):
+    """The same derivative as the sum of the split's six terms over the chunks ``bounds`` (a list
+    of (start, end) covering 0..N-1 in order; any lengths)."""
     n = q.shape[0]
     pw = lambda e: torch.as_tensor(gamma, dtype=F64) ** torch.as_tensor(e, dtype=F64)  # noqa: E731
     tok = torch.arange(n)
-    chunk = tok // C
-    start, nxt = chunk * C, torch.clamp((chunk + 1) * C, max=n)
-    nc = int(chunk[-1]) + 1
+    chunk = torch.empty(n, dtype=torch.long)
+    for c, (lo, hi) in enumerate(bounds):
+        chunk[lo:hi] = c
+    start = torch.tensor([bounds[c][0] for c in chunk.tolist()])
+    nxt = torch.tensor([bounds[c][1] for c in chunk.tolist()])
+    nc = len(bounds)
     lag = (tok[:, None] - tok[None, :]).to(F64)
     causal_w = torch.where(lag >= 0, pw(lag.clamp(min=0)), torch.zeros((), dtype=F64))
     a = (q @ k.T) * (g @ v.T)
     same = chunk[:, None] == chunk[None, :]
     intra = scale * (torch.where(same, lag, torch.zeros((), dtype=F64)) * causal_w * a).sum()
-    P = [(pw(c * C - tok[:c * C])[:, None] * k[:c * C]).T @ v[:c * C] + pw(c * C + 1) * s0 for c in range(nc)]
+    P = [(pw(lo - tok[:lo])[:, None] * k[:lo]).T @ v[:lo] + pw(lo + 1) * s0 for lo, _ in bounds]
+    # Z_c = sum_{m<c} len_m gamma^(t_c - t_m) P_m: Z <- gamma^L (Z + L P), W's step without its product
     Z = [torch.zeros_like(s0)]
     for c in range(nc - 1):
-        Z.append(pw(C) * (Z[c] + P[c]))
+        L = bounds[c][1] - bounds[c][0]
+        Z.append(pw(L) * (Z[c] + L * P[c]))
     off = pw(tok - start)  # gamma^(i - t_{c_i})
     dq_early = scale * off[:, None] * torch.stack([g[i] @ P[int(chunk[i])].T for i in range(n)])
     ea = ((tok - start).to(F64) * (q * dq_early).sum(1)).sum()
-    mid = C * scale * sum(off[i] * (q[i] @ Z[int(chunk[i])] @ g[i]) for i in range(n))
+    mid = scale * sum(off[i] * (q[i] @ Z[int(chunk[i])] @ g[i]) for i in range(n))
     later = tok[:, None] >= nxt[None, :]  # [i, j]: i in a chunk after j's
     dk_late = scale * ((torch.where(later, causal_w, torch.zeros((), dtype=F64)) * (g @ v.T)).T @ q)
     dk_late = dk_late + pw(n - 1 - tok)[:, None] * (v @ G.T)
     w = torch.where(chunk == nc - 1, n - 1 - tok, nxt - tok).to(F64)
     eb = (w * (k * dk_late).sum(1)).sum()
     ds0 = scale * (pw(tok + 1)[:, None] * q).T @ g + pw(n) * G
-    t_l = (nc - 1) * C
-    tg = (n - 1 - t_l) * pw(n - 1 - t_l) * (G * P[-1]).sum() + C * pw(n - 1 - t_l) * (G * Z[-1]).sum()
+    t_l = bounds[-1][0]
+    L_l = n - t_l
+    tg = pw(L_l - 1) * (G * (Z[-1] + (L_l - 1) * P[-1])).sum()
     return float(intra + ea + mid + eb + (s0 * ds0).sum() + tg)
+
+
+def grid(n, C, end_aligned):
+    """Chunks of C from token 0 (the last one short), or ending at token N-1 (the first short)."""
+    if not end_aligned:
+        return [(lo, min(lo + C, n)) for lo in range(0, n, C)]
+    first = (n - 1) % C + 1
+    return [(0, first)] + [(lo, lo + C) for lo in range(first, n, C)]
 
 
 def main() -> None:
@@ -81,9 +100,10 @@ def main() -> None:
                 v, g = (torch.randn(n, dv, dtype=F64, generator=gen) for _ in range(2))
                 s0, G = (torch.randn(dk, dv, dtype=F64, generator=gen) * on for on in (with_s0, with_g))
                 want = dense_grad(q, k, v, g, s0, G, gamma, scale)
-                got = split_grad(q, k, v, g, s0, G, gamma, scale, C)
-                assert abs(got - want) <= 1e-9 * max(1.0, abs(want)), (n, C, gamma, with_s0, with_g, want, got)
-        print(f"N {n:4d} C {C:2d} Dk {dk} Dv {dv} gamma {gamma:g}: split = autograd ({want:.6g})")
+                for end_aligned in (False, True):
+                    got = split_grad(q, k, v, g, s0, G, gamma, scale, grid(n, C, end_aligned))
+                    assert abs(got - want) <= 1e-9 * max(1.0, abs(want)), (n, C, gamma, with_s0, with_g, want, got)
+        print(f"N {n:4d} C {C:2d} Dk {dk} Dv {dv} gamma {gamma:g}: split = autograd ({want:.6g}), both chunk grids")
 
 
 if __name__ == "__main__":
