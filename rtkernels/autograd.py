@@ -362,12 +362,19 @@ def call_gradients(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     d_decay = None
     if need_decay:
         d_decay = grads.log_decay if grads.decay_is_source else call.log_decay.source_grad(grads.log_decay)
-        d_decay = d_decay.to(*source_meta)
-    return (grads.q.to(q.dtype) if need_q else None,
-            grads.k.to(k.dtype) if need_k else None,
-            grads.v.to(v.dtype) if need_v else None,
+        if d_decay.dtype != source_meta[1] or d_decay.device != source_meta[0]:
+            d_decay = d_decay.to(*source_meta)
+    return (_as_dtype(grads.q, q.dtype) if need_q else None,
+            _as_dtype(grads.k, k.dtype) if need_k else None,
+            _as_dtype(grads.v, v.dtype) if need_v else None,
             d_decay,
-            grads.initial_state.to(initial_state.dtype) if need_s0 else None)
+            _as_dtype(grads.initial_state, initial_state.dtype) if need_s0 else None)
+
+
+def _as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, skipped where it would return ``x`` (a no-op ``to`` costs microseconds of the
+    backward's host time)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def track_decay(log_decay: LogDecay, decay: torch.Tensor, is_rate: bool) -> LogDecay:

@@ -111,3 +111,32 @@ def test_a_thread_without_a_context_gets_torchs_and_the_load_is_retried(monkeypa
     with pytest.raises(driver.CudaDriverError, match=r"\(700\)") as err:
         jit.Kernel.load(cached, 3)
     assert err.value.status == 700 and made == [3]
+
+
+def test_a_bound_launch_packs_its_late_struct_fields_after_the_fixed_ones(monkeypatch):
+    """``bind(..., late=m)``: a call passes the pointers, then the struct's last m fields; the
+    kernel's parameter buffer holds the pointers, the fixed fields as bound and the late ones at the
+    struct's end, and the parameter array points at each pointer and at the struct."""
+    import ctypes
+    import struct
+    import threading
+
+    import torch
+
+    from rtkernels.jit import jit
+
+    seen = []
+    k = jit.Kernel.__new__(jit.Kernel)
+    k._ptr, k.device_index, k._launch_kernel = 1, 0, lambda *args: seen.append(args) or 0
+    k._layouts, k._lock = {}, threading.Lock()
+    monkeypatch.setattr(jit, "_raw_stream", lambda dev: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    bound = k.bind((1, 1, 1), (32, 1, 1), 0, 0, 2, (3, 4.0, 0, 0), late=2)
+    for late in ((7, 8), (9, -1)):
+        bound(10, 20, *late)
+        raw = bytes(bound._buf[0])
+        assert struct.unpack("<qqqdqq", raw) == (10, 20, 3, 4.0, *late)
+    params = seen[-1][9]  # the address of the parameter array: two pointer slots, then the struct
+    slots = (ctypes.c_void_p * 3).from_address(params)
+    base = ctypes.addressof(bound._buf[0])
+    assert [s for s in slots] == [base, base + 8, base + 16]

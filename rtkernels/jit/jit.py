@@ -255,11 +255,12 @@ class Kernel:
         return struct.Struct(fmt), (buf, params), ctypes.addressof(params)
 
     def bind(self, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, device_index: int,
-             n_head: int, tail: Sequence[Any], maps: Optional[TensorMaps] = None) -> "BoundLaunch":
+             n_head: int, tail: Sequence[Any], maps: Optional[TensorMaps] = None, late: int = 0) -> "BoundLaunch":
         """This kernel with its grid, block, shared memory and the struct (``tail``) fixed; the
         ``n_head`` pointer parameters come with each call: see :class:`BoundLaunch`. ``maps``: the
-        kernel's last parameter, tensor maps that follow the pointers of each call."""
-        return BoundLaunch(self, grid, block, shared_mem, device_index, n_head, tuple(tail), maps)
+        kernel's last parameter, tensor maps that follow the pointers of each call. ``late``: the
+        struct's last ``late`` fields (integers) come with each call too, after the pointers."""
+        return BoundLaunch(self, grid, block, shared_mem, device_index, n_head, tuple(tail), maps, late)
 
     def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: Sequence[Any],
                shared_mem: int, device_index: int, pointers: Optional[int] = None) -> None:
@@ -300,13 +301,15 @@ class BoundLaunch:
     (Python ints). The struct is packed once into a parameter buffer owned by this object, so a
     call packs only the pointers (the host path of a cached API call). With ``maps``
     (:class:`~rtkernels.jit.tensor_map.TensorMaps`, the kernel's last parameter) each call also
-    points the maps at their tensors among the pointers."""
+    points the maps at their tensors among the pointers. With ``late`` > 0 a call passes the
+    struct's last ``late`` fields after the pointers (addresses that change per call, e.g. of a
+    fourth operand), packed into their place at the struct's end."""
 
     __slots__ = ("kernel", "grid", "block", "shared_mem", "dev", "n_head", "tail", "maps", "_head", "_buf",
-                 "_params", "_lock")
+                 "_params", "_lock", "_late", "_late_at")
 
     def __init__(self, kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int,
-                 device_index: int, n_head: int, tail: tuple, maps: Optional[TensorMaps] = None):
+                 device_index: int, n_head: int, tail: tuple, maps: Optional[TensorMaps] = None, late: int = 0):
         self.kernel, self.grid, self.block, self.shared_mem = kernel, grid, block, shared_mem
         self.dev, self.n_head, self.tail, self.maps = device_index, n_head, tail, maps
         self._lock = threading.Lock()
@@ -314,6 +317,8 @@ class BoundLaunch:
                                                              0 if maps is None else maps.address)
         packer.pack_into(buf, 0, *((0,) * n_head), *tail)
         self._buf, self._head = (buf, params), struct.Struct(f"<{n_head}q")
+        self._late = struct.Struct(f"<{late}q") if late else None
+        self._late_at = 8 * (n_head + len(tail) - late)
 
     def __call__(self, *head: int) -> None:
         if torch._C._cuda_getDevice() != self.dev:
@@ -322,7 +327,12 @@ class BoundLaunch:
             return
         stream = _raw_stream(self.dev)
         with self._lock:
-            self._head.pack_into(self._buf[0], 0, *head)
+            if self._late is None:
+                self._head.pack_into(self._buf[0], 0, *head)
+            else:
+                n = self.n_head
+                self._head.pack_into(self._buf[0], 0, *head[:n])
+                self._late.pack_into(self._buf[0], self._late_at, *head[n:])
             if self.maps is not None:
                 self.maps.update(head)
             _launch(self.kernel, self.grid, self.block, self.shared_mem, stream, self._params, self.dev)

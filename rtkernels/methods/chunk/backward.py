@@ -232,13 +232,15 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
     dtype where the caller has formed it (a device decay's costs several operations), else formed
     here where dS_0 or the G terms need it."""
     cdt = compute_dtype(q.dtype)
-    dq, dk, dv = (_gradient_buffer(x, dtype) for x in (q, k, v))
+    # dk and dv are allocated after the dq pass is launched: the GPU waits for the first launch
+    dq = _gradient_buffer(q, dtype)
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
     extra = {} if forward_states is None else {"states": forward_states}
     if dlog_partials is None:
         run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, **extra)
     else:
         run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, dlog=(q, dlog_partials, dlog_g), **extra)
+    dk, dv = _gradient_buffer(k, dtype), _gradient_buffer(v, dtype)
     if fuse_dk_dv is None:
         fuse_dk_dv = plan.fuses_dk_dv(q, k, v, grad_out, dk, current_overrides(), sequences)
     entry = state_grad_entry

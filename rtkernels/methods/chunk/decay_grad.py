@@ -250,27 +250,31 @@ class PartialSums:
     decay like ``log_decay`` (its dtype, kind and stride; ``sequences`` = S: packed sequences in a
     batch of one, a row of partial sums per sequence), planned once: the buffer's shape
     (:func:`dq_pass_partials`) and the sum kernel's launch, bound (:func:`sum_partials` with
-    ``for_source``). A planned backward keeps one, so that a trainable decay's step adds an
-    allocation and one bound launch to the fixed decay's host time."""
+    ``for_source``). A planned backward keeps one, so that a trainable decay's step adds one
+    allocation (the partial sums and the result's row) and one bound launch to the fixed decay's
+    host time."""
 
-    __slots__ = ("shape", "device", "_sum")
+    __slots__ = ("shape", "device", "_sum", "_rows")
 
     def __init__(self, q: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, sequences: int = 0):
         dev = q.device.index
         self.shape, self.device = _partials_shape(q, v, sequences), q.device
+        self._rows = self.shape[0] * self.shape[1]
         grid, block, tail = _sum_launch(self.shape, log_decay, True)
         self._sum = get_function(SUM_SOURCE, SUM_KERNEL, dev).bind(grid, block, 0, dev, 3, tail)
 
     def buffer(self) -> torch.Tensor:
-        """An empty ``[segments * B, Dk / 64, H]`` float32 buffer for the dq pass to write."""
-        return torch.empty(self.shape, dtype=torch.float32, device=self.device)
+        """An empty float32 ``[segments * B * Dk / 64 + 1, H]`` buffer: the dq pass writes its
+        ``[segments * B, Dk / 64, H]`` partial sums into the rows but the last, :meth:`total` the
+        result into the last."""
+        return torch.empty((self._rows + 1, self.shape[2]), dtype=torch.float32, device=self.device)
 
     def total(self, partial: torch.Tensor, decay_ptr: int) -> torch.Tensor:
-        """dL/d(the decay tensor), ``[H]`` float32, from ``partial`` (:meth:`buffer`, written) and the
-        decay's address (:meth:`LogDecay.kernel_arg`)."""
-        out = torch.empty(self.shape[2], dtype=torch.float32, device=self.device)
-        self._sum(partial.data_ptr(), out.data_ptr(), decay_ptr)
-        return out
+        """dL/d(the decay tensor), ``[H]`` float32 (the last row of ``partial``), from ``partial``
+        (:meth:`buffer`, written) and the decay's address (:meth:`LogDecay.kernel_arg`)."""
+        base = partial.data_ptr()
+        self._sum(base, base + 4 * self._rows * self.shape[2], decay_ptr)
+        return partial[self._rows]
 
 
 def dq_pass_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,

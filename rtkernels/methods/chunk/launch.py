@@ -12,7 +12,7 @@ from ...autotune.answers import plan_state, tuned_config
 from ...autotune.keys import dtype_name
 from ...autotune.space import Config, Limits, Problem
 from ...decay import LogDecay
-from ...jit import get_function, launch as _launch_kernel
+from ...jit import get_function
 from ...jit.tensor_map import TensorMaps
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
 from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE, STATES_SOURCE, Launch, _sm_count,
@@ -166,8 +166,10 @@ class ChunkLaunch:
             if not dlog:
                 self.fold = (nseg, fold_len, self.slots, self.state_shape)
         mode_k = MODE_FOLD if fold else MODE_FUSED
-        if sequences or dlog or dual:  # addresses that change per call: the struct is packed at each launch
-            self.packed = (fn, grid, block, smem, dev, (*tail, seg_len, mode_k, fold_len), int(reverse))
+        if sequences or dlog or dual:  # addresses that change per call: the struct's last fields (from
+            # cu_seqlens on, CHUNK_FIELDS) are packed with the pointers at each launch
+            self.packed = (fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, mode_k, fold_len, *NO_EXTRAS),
+                                   late=len(NO_EXTRAS)), int(reverse))
             self.fused = None
             return
         # head: q, k, v, out, log-decay, initial state, final state pointers; no packed sequences
@@ -217,15 +219,14 @@ class ChunkLaunch:
             if keep is not None and self.fold is not None:
                 keep.append((local, self.fold))
         if self.packed is not None:
-            fn, grid, block, smem, dev, tail, rev = self.packed
+            bound, rev = self.packed
             if dual is not None:  # x has v's strides and the second output k's: the same row offsets
                 x, out2 = dual
                 extras = (x + (self.offsets[2] if self.offsets else 0), 0, 0,
                           out2 + (self.offsets[1] if self.offsets else 0))
             else:
                 extras = (*(dlog or (0, 0, 0)), 0)
-            _launch_kernel(fn, grid, block, (qp, kp, vp, op, dp, s0p, fp, *tail, *(seqs or (0, 0)), rev, *extras),
-                           dev, smem, pointers=FWD_POINTERS)
+            bound(qp, kp, vp, op, dp, s0p, fp, *(seqs or (0, 0)), rev, *extras)
             return final
         if self.scan is None:
             self.fused(qp, kp, vp, op, dp, s0p, fp)
