@@ -254,27 +254,27 @@ class PartialSums:
     allocation (the partial sums and the result's row) and one bound launch to the fixed decay's
     host time."""
 
-    __slots__ = ("shape", "device", "_sum", "_rows")
+    __slots__ = ("shape", "device", "_sum", "_at")
 
     def __init__(self, q: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, sequences: int = 0):
         dev = q.device.index
         self.shape, self.device = _partials_shape(q, v, sequences), q.device
-        self._rows = self.shape[0] * self.shape[1]
+        rows, tiles, h = self.shape
+        self._at = -(-rows * tiles * h // 64) * 64  # the result's offset: 256-byte aligned, as a fresh tensor
         grid, block, tail = _sum_launch(self.shape, log_decay, True)
         self._sum = get_function(SUM_SOURCE, SUM_KERNEL, dev).bind(grid, block, 0, dev, 3, tail)
 
     def buffer(self) -> torch.Tensor:
-        """An empty float32 ``[segments * B * Dk / 64 + 1, H]`` buffer: the dq pass writes its
-        ``[segments * B, Dk / 64, H]`` partial sums into the rows but the last, :meth:`total` the
-        result into the last."""
-        return torch.empty((self._rows + 1, self.shape[2]), dtype=torch.float32, device=self.device)
+        """An empty flat float32 buffer: the dq pass writes its ``[segments * B, Dk / 64, H]``
+        partial sums at its start, :meth:`total` the ``[H]`` result after them (one allocation)."""
+        return torch.empty(self._at + self.shape[2], dtype=torch.float32, device=self.device)
 
     def total(self, partial: torch.Tensor, decay_ptr: int) -> torch.Tensor:
-        """dL/d(the decay tensor), ``[H]`` float32 (the last row of ``partial``), from ``partial``
+        """dL/d(the decay tensor), ``[H]`` float32 (a view of ``partial``'s end), from ``partial``
         (:meth:`buffer`, written) and the decay's address (:meth:`LogDecay.kernel_arg`)."""
         base = partial.data_ptr()
-        self._sum(base, base + 4 * self._rows * self.shape[2], decay_ptr)
-        return partial[self._rows]
+        self._sum(base, base + 4 * self._at, decay_ptr)
+        return partial[self._at:]
 
 
 def dq_pass_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
