@@ -1,5 +1,5 @@
 """Scratch: the host cost of an autograd node, a Python ``torch.autograd.Function`` (through
-``apply`` and through the C entry point our call uses) against a C++ ``torch::autograd::Function``
+``apply``; the library's call skips its Python wrapper) against a C++ ``torch::autograd::Function``
 compiled here by ``torch.utils.cpp_extension.load_inline`` (needs a C++ compiler and ninja). Each
 node saves q, k, v and the decay and allocates its output, as the cached call's Function does;
 none launches a kernel. µs per call, three rounds.
@@ -65,10 +65,8 @@ print(f"compiled in {time.time() - t0:.1f} s")
 ext.set_backward(lambda q, k, v, g, grad: [grad, grad, grad, torch.zeros_like(g)])
 xs = [torch.randn(2, 3, 4, 5, device=dev, requires_grad=True) for _ in range(3)]
 gp = torch.nn.Parameter(torch.rand(3, device=dev))
-raw = torch._C._FunctionBase.__dict__["apply"].__get__(None, Bare)
 for _ in range(3):
     print(f"Function.apply {per_call_us(lambda: Bare.apply(*xs, gp)):.2f}  "
-          f"C entry {per_call_us(lambda: raw(*xs, gp)):.2f}  "
           f"C++ node {per_call_us(lambda: ext.apply(*xs, gp)):.2f}  "
           f"empty_like alone {per_call_us(lambda: torch.empty_like(xs[2])):.2f}")
 out = ext.apply(*xs, gp)
