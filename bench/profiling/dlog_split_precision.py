@@ -2,9 +2,11 @@
 proposed Z split (docs/design.md; bench/profiling/dlog_split_check.py checks the identity), each
 emulated in float32 with the kernels' 16-bit copies of the states (S, W or Z, and the dk/dv pass's
 adjoint state; fp16 copies scaled by a power of two as the kernels do) and fp32 scores, against
-fp64 on the same 16-bit inputs. Prints the largest relative error over a few random problems.
+fp64 on the same 16-bit inputs. A third column keeps Z itself only in 16 bits (rounded after every
+step, as a pass would that holds no fp32 Z: design.md, "A 128-wide Z pass"). Prints the largest
+relative error over a few random problems of N tokens (default 512).
 
-    python bench/profiling/dlog_split_precision.py
+    python bench/profiling/dlog_split_precision.py [N]
 """
 import math
 
@@ -53,9 +55,10 @@ def w_form(q, k, v, g, s0, G, gamma, scale, C, dt):
     return float(total + (G * W).sum())
 
 
-def z_form(q, k, v, g, s0, G, gamma, scale, C, dt):
+def z_form(q, k, v, g, s0, G, gamma, scale, C, dt, z16=False):
     """The Z split: dq pass (S and Z copies, weights t and C, G at the last chunk), dk/dv pass
-    (adjoint copy, edge weights, intra from fp32 scores), <S0, dS0>."""
+    (adjoint copy, edge weights, intra from fp32 scores), <S0, dS0>. ``z16``: Z is stored in 16
+    bits only, rounded after each step."""
     gm = torch.tensor(gamma, dtype=F32)
     bounds = chunk_bounds(q.shape[0], C)
     S, Z, total = s0.clone(), torch.zeros_like(s0), torch.zeros(())
@@ -67,6 +70,8 @@ def z_form(q, k, v, g, s0, G, gamma, scale, C, dt):
         if c == len(bounds) - 1:
             total += (G * (gm ** L * (C * Z + (L - 1) * S))).sum()
         Z = gm ** L * (Z + S)
+        if z16:
+            Z = copy16(Z, dt)
         S = gm ** L * S + ((gm ** (L - 1 - t))[:, None] * k[lo:hi]).T @ v[lo:hi]
     A = G.clone()  # dL/d(state after the chunk's last token)
     for c in range(len(bounds) - 1, -1, -1):
@@ -81,20 +86,25 @@ def z_form(q, k, v, g, s0, G, gamma, scale, C, dt):
 
 
 def main() -> None:
+    import sys
+
     torch.manual_seed(1)
-    n, dk, dv, C = 512, 32, 48, 64
+    n, dk, dv, C = int(sys.argv[1]) if len(sys.argv) > 1 else 512, 32, 48, 64
     scale = 1 / math.sqrt(dk)
     for dt in (F32, torch.bfloat16, torch.float16):
         print(str(dt).replace("torch.", ""), "(float32: the emulation's own error)" if dt == F32 else "")
         for gamma in (1e-6, 0.5, 0.9, 0.99, 0.999, 1.0):
-            errs = {"W": [], "Z": []}
+            errs = {"W": [], "Z": [], "Z16": []}
             for _ in range(3):
                 q, k, v, g = (torch.randn(n, d).to(dt).float() for d in (dk, dk, dv, dv))
                 s0, G = torch.randn(dk, dv) * 0.1, torch.randn(dk, dv) * 0.1
                 want = dense_grad(*(x.double() for x in (q, k, v, g, s0, G)), gamma, scale)
-                for name, form in (("W", w_form), ("Z", z_form)):
-                    errs[name].append(abs(form(q, k, v, g, s0, G, gamma, scale, C, dt) - want) / abs(want))
-            print(f"  gamma {gamma:<6g} largest relative error: W form {max(errs['W']):.1e}, Z split {max(errs['Z']):.1e}")
+                for name, got in (("W", w_form(q, k, v, g, s0, G, gamma, scale, C, dt)),
+                                  ("Z", z_form(q, k, v, g, s0, G, gamma, scale, C, dt)),
+                                  ("Z16", z_form(q, k, v, g, s0, G, gamma, scale, C, dt, z16=True))):
+                    errs[name].append(abs(got - want) / abs(want))
+            print(f"  gamma {gamma:<6g} largest relative error: W form {max(errs['W']):.1e}, Z split "
+                  f"{max(errs['Z']):.1e}, Z kept in 16 bits {max(errs['Z16']):.1e}")
 
 
 if __name__ == "__main__":
