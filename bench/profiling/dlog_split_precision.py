@@ -2,8 +2,9 @@
 proposed Z split (docs/design.md; bench/profiling/dlog_split_check.py checks the identity), each
 emulated in float32 with the kernels' 16-bit copies of the states (S, W or Z, and the dk/dv pass's
 adjoint state; fp16 copies scaled by a power of two as the kernels do) and fp32 scores, against
-fp64 on the same 16-bit inputs. A third column keeps Z itself only in 16 bits (rounded after every
-step, as a pass would that holds no fp32 Z: design.md, "A 128-wide Z pass"). Prints the largest
+fp64 on the same 16-bit inputs. A third column keeps Z itself only in 16 bits (stepped from S's
+16-bit copy and rounded after every step, as a pass would that holds no fp32 Z: design.md, "Next: a
+128-wide Z dq pass"). Prints the largest
 relative error over a few random problems of N tokens (default 512).
 
     python bench/profiling/dlog_split_precision.py [N]
@@ -58,7 +59,7 @@ def w_form(q, k, v, g, s0, G, gamma, scale, C, dt):
 def z_form(q, k, v, g, s0, G, gamma, scale, C, dt, z16=False):
     """The Z split: dq pass (S and Z copies, weights t and C, G at the last chunk), dk/dv pass
     (adjoint copy, edge weights, intra from fp32 scores), <S0, dS0>. ``z16``: Z is stored in 16
-    bits only, rounded after each step."""
+    bits only, stepped from the 16-bit copy of S and rounded after each step."""
     gm = torch.tensor(gamma, dtype=F32)
     bounds = chunk_bounds(q.shape[0], C)
     S, Z, total = s0.clone(), torch.zeros_like(s0), torch.zeros(())
@@ -69,9 +70,10 @@ def z_form(q, k, v, g, s0, G, gamma, scale, C, dt, z16=False):
                                       + (C * f)[:, None] * (g[lo:hi] @ copy16(Z, dt).T))).sum()
         if c == len(bounds) - 1:
             total += (G * (gm ** L * (C * Z + (L - 1) * S))).sum()
-        Z = gm ** L * (Z + S)
-        if z16:
-            Z = copy16(Z, dt)
+        if z16:  # stepped from the S copy, then rounded: what a pass holding no fp32 Z can do
+            Z = copy16(gm ** L * (Z + copy16(S, dt)), dt)
+        else:
+            Z = gm ** L * (Z + S)
         S = gm ** L * S + ((gm ** (L - 1 - t))[:, None] * k[lo:hi]).T @ v[lo:hi]
     A = G.clone()  # dL/d(state after the chunk's last token)
     for c in range(len(bounds) - 1, -1, -1):
