@@ -423,8 +423,9 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
 
     ``dlog``: ``(x, partial, g)``, the backward's dq pass of a trainable decay (not reversed): the
     DLOG instance (:func:`.plan.dlog_launch`, whose :func:`.plan.dlog_config` must exist for these
-    operands), which also writes each CTA's share of dlog(gamma) into ``partial`` (``[segments *
-    rows, Dv / 64, H]`` float32, :func:`.decay_grad.dq_pass_partials`; :mod:`.decay_grad` sums it);
+    operands), which also writes each CTA's share of dlog(gamma) at the start of ``partial``
+    (``[segments * rows, Dv / 64, H]`` float32 values, as :func:`.decay_grad.dq_pass_partials` or
+    :meth:`.decay_grad.PartialSums.buffer` allocate them; :mod:`.decay_grad` sums them);
     x has v's shape and strides; g, the gradient of the forward's final state (fp32 contiguous
     ``[rows, H, Dv, Dk]`` in this pass's terms) or None, adds its term <g, W_end>.
 
