@@ -6,6 +6,8 @@
 # Shard 4 holds the files whose time is not ours: fla's Triton compiles (its packed fp32 chunk
 # backward alone took 98 s on an H100) and the two-process tests; put fla on PYTHONPATH for it.
 # Compiles every kernel first when the cache is empty (RTKERNELS_CACHE_DIR, default /tmp/rtk_suite).
+# WORKERS (default 16) sets pytest-xdist's worker count: shard 2's 4096-token dlog tests can run out
+# of memory on an 80 GB card with 16 workers, and pass with 10.
 set -u
 shard=${1:?shard: 1, 2, 3, 4 or slow}
 logs=${2:-.}
@@ -26,7 +28,7 @@ else
   paths=$(for f in $files; do echo "tests/test_gpu_$f.py"; done)
   [ "$shard" = 4 ] && paths="$paths tests/test_distributed_cpu.py tests/test_compat.py"
   # shellcheck disable=SC2086
-  python3 -m pytest $paths -m "gpu and not slow" -n 16 -p no:cacheprovider -v -rf --tb=short -W ignore \
+  python3 -m pytest $paths -m "gpu and not slow" -n "${WORKERS:-16}" -p no:cacheprovider -v -rf --tb=short -W ignore \
     > "$logs/suite-$shard.log" 2>&1
 fi
 rc=$?
