@@ -362,8 +362,7 @@ def call_gradients(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     d_decay = None
     if need_decay:
         d_decay = grads.log_decay if grads.decay_is_source else call.log_decay.source_grad(grads.log_decay)
-        if d_decay.dtype != source_meta[1] or d_decay.device != source_meta[0]:
-            d_decay = d_decay.to(*source_meta)
+        d_decay = _as_dtype(d_decay, source_meta[1], source_meta[0])
     return (_as_dtype(grads.q, q.dtype) if need_q else None,
             _as_dtype(grads.k, k.dtype) if need_k else None,
             _as_dtype(grads.v, v.dtype) if need_v else None,
@@ -371,10 +370,12 @@ def call_gradients(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             _as_dtype(grads.initial_state, initial_state.dtype) if need_s0 else None)
 
 
-def _as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.to(dtype)``, skipped where it would return ``x`` (a no-op ``to`` costs microseconds of the
-    backward's host time)."""
-    return x if x.dtype == dtype else x.to(dtype)
+def _as_dtype(x: torch.Tensor, dtype: torch.dtype, device: Optional[torch.device] = None) -> torch.Tensor:
+    """``x.to(dtype)`` (on ``device`` where given), skipped where it would return ``x`` (a no-op
+    ``to`` costs microseconds of the backward's host time)."""
+    if x.dtype == dtype and (device is None or x.device == device):
+        return x
+    return x.to(dtype) if device is None else x.to(device, dtype)
 
 
 def track_decay(log_decay: LogDecay, decay: torch.Tensor, is_rate: bool) -> LogDecay:
