@@ -133,6 +133,41 @@ def test_final_state_gradient(monkeypatch, n, sizes, segments, dtype, with_s0):
                f"n={n} {sizes} {dtype} segments={segments} with G", segments, g_state)
 
 
+@pytest.mark.parametrize("with_g", [False, True], ids=["no-G", "G"])
+@pytest.mark.parametrize("sizes", [(128, 128), (112, 96), (72, 40)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("n", NS)
+def test_wide_z_pass(monkeypatch, n, sizes, with_g):
+    """The Z split's dq pass with 128-wide value tiles (DLOG 3, bf16: Z only as its 16-bit copy,
+    which the output warps step in place), forced on these few CTAs (the split needs the fused dk/dv
+    pass and one segment): as test_matches_fp64_autograd without an initial state, with and without
+    a final-state gradient."""
+    dk, dv = sizes
+    for positive in (True, False):
+        q, k, v, grad, _, g_state = _inputs(n, dk, dv, BF16, positive, 13 * n + dk + dv, b=2 if n < 4096 else 1)
+        with plan.override(dlog_wide=True, fused_dk_dv=True, segments=1):
+            assert decay_grad.z_split_applies(q, k, v, grad) is not None
+            launch = plan.dlog_launch(BF16, dv, dk, q.shape[0] * q.shape[1], n, q.device.index, plan.current_overrides(),
+                                      True)
+            assert launch.bv == 128 and launch.name.endswith(", 3>")
+            _check(monkeypatch, (q, k, v, grad, None), positive, f"wide n={n} {sizes}", 1, g_state if with_g else None)
+
+
+@pytest.mark.parametrize("with_g", [False, True], ids=["no-G", "G"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("sizes", [(128, 128), (40, 72)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("n", (1, 65, 1000))
+def test_narrow_z_pass(monkeypatch, n, sizes, dtype, with_g):
+    """The Z split with its 64-wide dq pass (DLOG 2; the plan takes it only when forced by
+    ``Overrides.dlog_split``), bf16 and fp16: as test_wide_z_pass."""
+    dk, dv = sizes
+    for positive in (True, False):
+        q, k, v, grad, _, g_state = _inputs(n, dk, dv, dtype, positive, 17 * n + dk + dv)
+        with plan.override(dlog_split=True, dlog_wide=False, fused_dk_dv=True, segments=1):
+            assert decay_grad.z_split_applies(q, k, v, grad) is not None
+            _check(monkeypatch, (q, k, v, grad, None), positive, f"narrow n={n} {sizes} {dtype}", 1,
+                   g_state if with_g else None)
+
+
 def test_long_sequence_splits_by_default():
     """Few (batch, head, tile) CTAs over a long sequence: the heuristic splits the pass (one CTA per
     SM), as it does the forward."""

@@ -53,9 +53,10 @@ def test_dlog_and_mma_instances_keep_two_stages():
     assert plan.kernel_config(torch.bfloat16, 128, 128, True, 1, 132, False, 64, stages=3)[-1] is False
     names = [plan.name_expression(c) for c in plan.all_configs() if len(c) == 8]
     assert names and all(", true, 1, true, false, 3>" in n for n in names)
-    # the fused dk + dv instances (ninth argument) keep two stages too
+    # the fused dk + dv instances (ninth argument) keep two stages too, with and without the Z split's sums
     dual = [plan.name_expression(c) for c in plan.all_configs() if len(c) > 8]
-    assert len(dual) == 8 and all(n.endswith(", true, 1, true, false, 2, true>") for n in dual)
+    assert len(dual) == 16 and all(n.endswith((", true, 1, true, false, 2, true>", ", true, 1, true, 2, 2, true>"))
+                                   for n in dual)
 
 
 def test_states_pass_stages():

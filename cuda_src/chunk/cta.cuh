@@ -3,6 +3,16 @@
 #include "../include/types.cuh"
 #include "modes.cuh"
 
+// A CTA's chunks of its ns tokens: C each from token 0, or with ZWALK (the Z split's dq pass)
+// ending at the last token, chunk 0 then holding the first ((ns - 1) mod C) + 1.
+template <int C, bool ZWALK>
+struct rtk_chunk_grid {
+  int ns, first;
+  __device__ explicit rtk_chunk_grid(int ns_) : ns(ns_), first(ZWALK && ns_ > 0 ? (ns_ - 1) % C + 1 : C) {}
+  __device__ __forceinline__ int start(int k) const { return ZWALK ? (k == 0 ? 0 : first + (k - 1) * C) : k * C; }
+  __device__ __forceinline__ int len(int k, int n0) const { return min(ZWALK && k == 0 ? first : C, ns - n0); }  // n0 = start(k)
+};
+
 // The tokens of the CTAs of row `row` = blockIdx.x / H: segment blockIdx.z of the split-sequence
 // strategy, or with packed sequences (p.cu_seqlens) sequence `row`, tokens [cu[row], cu[row+1]),
 // which a reversed launch reads as kernel rows [N - cu[row+1], N - cu[row]). The offsets are

@@ -1,4 +1,4 @@
-// chunk/epilogue.cuh -- output fragments: zeroing, NaN marking, stores (plain and bulk).
+// chunk/epilogue.cuh -- output fragments: zeroing, copying, NaN marking, stores (plain and bulk).
 #pragma once
 #include "../include/copy.cuh"
 
@@ -8,6 +8,13 @@ template <int A, int B> __device__ __forceinline__ void rtk_zero(float (&x)[A][B
   for (int i = 0; i < A; ++i)
     #pragma unroll
     for (int j = 0; j < B; ++j) x[i][j] = 0.f;
+}
+// Copy fragments (dst = src).
+template <int A, int B> __device__ __forceinline__ void rtk_frag_copy(float (&dst)[A][B], const float (&src)[A][B]) {
+  #pragma unroll
+  for (int i = 0; i < A; ++i)
+    #pragma unroll
+    for (int j = 0; j < B; ++j) dst[i][j] = src[i][j];
 }
 
 // Rare (a chunk's v holds Inf/NaN): set to NaN the outputs of warp rows r0 .. r0+15 that a

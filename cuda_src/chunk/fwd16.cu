@@ -35,19 +35,10 @@
 // the cleaned P k product, as v's does for o.
 //
 // DLOG (the backward's dq pass of a trainable decay: q = dL/do, k = v, v = k of the forward, x = its
-// q, read with v's strides; wgmma, BV 64): the pass also sums its share of dL/dlog(gamma),
-//   scale * sum_t x_t . ( (t+1) gamma^(t+1) q_t S + gamma^(t+1) q_t W )
-//     + sum_{s<t} (t-s) P_ts (x_t . v_s)                       (P_ts = scale gamma^(t-s) q_t . k_s)
-// per chunk, over this tile's BV columns (the tiles' sums add up to the whole, every term being
-// linear in x and v), with W = dS/dlog(gamma) carried beside S by the state warps,
-//   W = gamma^len (W + len S) + sum_s (len-1-s) gamma^(len-1-s) k_s^T v_s,
-// and published as a 16-bit copy like S's (fp16: W times dn, rtk_dlog_norm, its copy scaled by its
-// own power of two). With a final-state gradient G (p.dlog_g), the CTA that ends the sequence adds
-// <G, W_end> over its tile: W's fp32 registers dotted by the state warps. Each CTA writes one float
-// to dlog_out[segment][row][tile][h];
-// rtkernels/methods/chunk/decay_grad.py has the math and the sum over the CTAs. Split into
-// segments (RTK_MODE_FOLD), a CTA starts from S and W entering its segment, which
-// rtk_chunk_states<..., DLOG> leaves in the slots (rtk_chunk_state::fold_with).
+// q, read with v's strides; wgmma, BV 64): the pass also sums its share of dL/dlog(gamma) with a
+// second state: 1, W = dS/dlog(gamma); 2, Z of the split, on chunks that end at the last token; 3,
+// Z only as its 16-bit copy (bf16, BV 128). With DUAL, 2 adds the split's dk/dv-pass terms.
+// chunk/dlog_rows.cuh has the math, the per-CTA sums and the segments.
 
 #include "../include/copy.cuh"
 #include "../include/mma_sm80.cuh"
@@ -68,11 +59,11 @@
 // WG (sm_90a only, KMAX <= 128, BV a multiple of 64): the output warps form one warpgroup that
 // computes the chunk with wgmma (q k^T and q S from shared memory, P v with P from registers);
 // otherwise each output warp uses mma.sync on its 16 rows.
-// DLOG: see the header (16-byte aligned rows, wgmma, BV 64, not RTK_MODE_STATES).
 // STAGES: chunks of q/k/v tiles in shared memory: 2 (chunk c + 1 loading while c is computed) or,
 // wgmma without DLOG, 3 (chunks c + 1 and c + 2 loading: twice the bytes in flight).
-// DUAL: see the header (16-byte aligned rows, wgmma, two stages, one value tile: Dv <= BV).
-template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG, bool DLOG = false, int STAGES = 2, bool DUAL = false>
+// DLOG, DUAL: see the header (16-byte aligned rows, wgmma; DLOG not RTK_MODE_STATES; DUAL two
+// stages and one value tile, Dv <= BV).
+template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG, int DLOG = 0, int STAGES = 2, bool DUAL = false>
 __global__ void __launch_bounds__(256, MINB)
 rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p) {
   RTK_FWD_SHAPE(p.f);
@@ -80,7 +71,12 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   const rtk_i64 seg_len = p.seg_len;
   const int mode = (int)p.mode;
   const bool states_only = mode == RTK_MODE_STATES;
-  typedef rtk_chunk_smem<KMAX, BV, WG, DLOG, STAGES, DUAL> L;
+  // DLOG 1 (W) or 2 (Z): the dq pass carries a second state (DQ_DLOG; with DUAL, 2: the split's terms).
+  // ZWALK: chunks that end at the last token. DLOG 3 (ZSMEM): Z only as its 16-bit copy, stepped by
+  // the output warps, so that the value tile can be 128 wide (ZREG: W or Z in registers)
+  constexpr bool DQ_DLOG = DLOG != 0 && !DUAL, WFORM = DLOG == 1, ZWALK = (DLOG == 2 || DLOG == 3) && !DUAL;
+  constexpr bool DUAL_DLOG = DUAL && DLOG == 2, ZSMEM = DLOG == 3 && !DUAL, ZREG = DQ_DLOG && !ZSMEM;
+  typedef rtk_chunk_smem<KMAX, BV, WG, DQ_DLOG, STAGES, DUAL, ZSMEM> L;
   // A second CTA barrier per chunk before the state warps write the next copy: with one copy (KMAX
   // 256), and for fp16 on the mma.sync kernel, whose copy is scaled by the 4 state warps' common
   // maximum (racecheck reported hazards with a barrier of the state warps alone). The wgmma
@@ -93,9 +89,10 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   constexpr rtk_u32 EXP = rtk_expmask<DT>::v;
   static_assert(BV % 16 == 0 && KMAX % 64 == 0, "bad tile");
   static_assert(!WG || (KMAX <= 128 && BV % 64 == 0), "bad wgmma tile");
-  static_assert(!DLOG || (WG && VEC && BV == 64), "bad dlog tile");
+  static_assert(!DQ_DLOG || (WG && VEC && (BV == 64 || (ZSMEM && BV == 128))), "bad dlog tile");
+  static_assert(!ZSMEM || DT == RTK_BF16, "the Z copy is not scaled: bf16 only");
   static_assert(STAGES == 2 || (STAGES == 3 && WG && VEC && !DLOG), "bad stages");
-  static_assert(!DUAL || (WG && VEC && !DLOG && STAGES == 2), "bad dual tile");
+  static_assert(!DUAL || (WG && VEC && !WFORM && STAGES == 2), "bad dual tile");
   static_assert(L::BYTES <= 227 * 1024, "shared memory");
 
   extern __shared__ __align__(16) unsigned char smem_base[];
@@ -125,25 +122,26 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   const LD ld(tid - 128, Dk, dv_here, qb, kb, vb, q_sn, k_sn, v_sn);
   constexpr int VROWS = LD::VROWS;
   const int st = ld.st, vcol = ld.vcol, vrow = ld.vrow;
-  const rtk_u16* xb = DLOG || DUAL ? reinterpret_cast<const rtk_u16*>(p.x) + rtk_offset(vs, b, h, n_begin) + v0 : nullptr;
-  const rtk_u16* x_first = DLOG || DUAL ? ld.tile_first(xb) : nullptr;
+  const rtk_u16* xb = DQ_DLOG || DUAL ? reinterpret_cast<const rtk_u16*>(p.x) + rtk_offset(vs, b, h, n_begin) + v0 : nullptr;
+  const rtk_u16* x_first = DQ_DLOG || DUAL ? ld.tile_first(xb) : nullptr;
+  const rtk_chunk_grid<C, ZWALK> grid(NS);
   auto load_chunk = [&](int chunk, int stage) {
     rtk_u16* sQ = sm + stage * L::STAGE + L::Q;
     rtk_u16* sK = sm + stage * L::STAGE + L::K;
     rtk_u16* sV = sm + stage * L::STAGE + L::V;
-    const int n0 = chunk * C;
+    const int n0 = grid.start(chunk), lim = ZWALK ? n0 + grid.len(chunk, n0) : NS;  // rows from lim load as 0
     if (VEC) {
       ld.template copy<C, KS, VS>(rtk_smem_addr(sQ + L::qk_off(ld.qrow, ld.qcol >> 3)),
                                   rtk_smem_addr(sK + L::qk_off(ld.qrow, ld.qcol >> 3)),
-                                  rtk_smem_addr(sV + L::v_off(vrow, vcol >> 3)), n0, NS, !states_only);
-      if (DLOG || DUAL)
+                                  rtk_smem_addr(sV + L::v_off(vrow, vcol >> 3)), n0, lim, !states_only);
+      if (DQ_DLOG || DUAL)
         ld.template copy_tile<C, VS>(rtk_smem_addr(sm + stage * L::STAGE + L::X + L::v_off(vrow, vcol >> 3)), x_first,
-                                     xb, n0, NS);
+                                     xb, n0, lim);
     } else {
       for (int e = st; e < C * KMAX; e += 128) {
         const int r = e / KMAX, col = e - r * KMAX;
         const rtk_i64 n = (rtk_i64)n0 + r;
-        const bool ok = n < NS && col < Dk;
+        const bool ok = n < lim && col < Dk;
         const int at = L::qk_off(r, col >> 3) + (col & 7);
         if (!states_only) sQ[at] = ok ? qb[n * q_sn + col] : (rtk_u16)0;
         sK[at] = ok ? kb[n * k_sn + col] : (rtk_u16)0;
@@ -151,7 +149,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       for (int e = st; e < C * BV; e += 128) {
         const int r = e / BV, col = e - r * BV;
         const rtk_i64 n = (rtk_i64)n0 + r;
-        sV[L::v_off(r, col >> 3) + (col & 7)] = (n < NS && col < dv_here) ? vb[n * v_sn + col] : (rtk_u16)0;
+        sV[L::v_off(r, col >> 3) + (col & 7)] = (n < lim && col < dv_here) ? vb[n * v_sn + col] : (rtk_u16)0;
       }
     }
   };
@@ -219,7 +217,10 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     };
     float s_inv = 1.f;  // the state copy holds S * 2^e (fp16); s_inv = 2^-e
     float dlog_sum = 0.f;  // DLOG: this thread's share of the CTA's sum
-    const float w_unnorm = DLOG ? 1.f / rtk_dlog_norm<DT>(lg2) : 1.f;  // fp16's W copy holds W dn 2^e'
+    const float w_unnorm = WFORM ? 1.f / rtk_dlog_norm<DT>(lg2) : 1.f;  // fp16's W copy holds W dn 2^e'
+    // ZSMEM: Z_0 = 0 over the Z step's pieces; G's block, for <G, Z_end> in the last step
+    [[maybe_unused]] const float* const gz = ZSMEM && p.dlog_g != 0 ? reinterpret_cast<const float*>(p.dlog_g) + (rtk_i64)bh * Dk * Dv : nullptr;
+    if constexpr (ZSMEM) rtk_zcopy_zero<KMAX, BV>(sm + L::W, tid);
     if (SERIAL) rtk_cta_sync();  // (the state warps' next_copy)
     bool v_bad = end_period(0);   // chunk 0 and the first state copy are in place
     auto out_end = [&](int chunk) -> bool {
@@ -233,11 +234,10 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       // wgmma: the factors of the rows against the state copy, gamma^(t+1) * scale (and fp16's 2^-e)
       const float f_lo = dec.inter0 * s_inv * dec.row_lo, f_hi = dec.inter0 * s_inv * dec.row_hi;
       // DLOG: the same for the rows against the W copy (fp16: its own 2^-e', and 1 / dn)
-      const float w_inv = DT == RTK_F16 && DLOG ? exp2f((float)-copy_exponent(slot, 8)) * w_unnorm : s_inv;
+      const float w_inv = DT == RTK_F16 && DQ_DLOG ? exp2f((float)-copy_exponent(slot, 8)) * w_unnorm : s_inv;
       const float fw_lo = dec.inter0 * w_inv * dec.row_lo, fw_hi = dec.inter0 * w_inv * dec.row_hi;
       const rtk_u32 sS_addr = rtk_smem_addr(sm + L::S + (L::NCOPY == 2 ? slot : 0) * L::SCOPY);
-      const int n0 = chunk * C;
-      const int len = min(C, NS - n0);
+      const int n0 = grid.start(chunk), len = grid.len(chunk, n0);
       const rtk_u32 sQ_addr = rtk_smem_addr(sm + stage * L::STAGE + L::Q);
       const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
       const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
@@ -247,6 +247,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       }
       float o_acc[NT][4];
       float p[8][4];  // scores of the 16 rows against key tiles 0 .. 2w+1
+      float pk[DUAL_DLOG ? 8 : 1][4];  // DUAL_DLOG: P (o's scaled scores) kept for the split's intra term
       bool saw_bad = false;
       auto voff = [](int r, int pc) { return L::v_off(r, pc); };  // a v-like tile's piece pc of row r
       // o_acc += P[:, 16 kk ..] V[16 kk .., :] by mma.sync (kk a compile-time value)
@@ -274,16 +275,16 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
           rtk_wg_commit();
         };
         rtk_wg_fence();
-        if constexpr (DLOG) {  // q W, then q k^T and x v^T, then q S: W's term is summed (registers freed) first
+        if constexpr (DQ_DLOG) {  // q W, then q k^T (W: and x v^T), then q S: W's term is summed (registers freed) first
           const rtk_u16* sX = sm + stage * L::STAGE + L::X;
           const unsigned long long dx = rtk_wg_desc(rtk_smem_addr(sX), 16, 1024), dvk = rtk_wg_desc(sV_addr, 16, 1024);
-          float xv[32];  // x v^T
+          float xv[32];  // x v^T (W only: Z's intra-chunk term is the dk/dv pass's)
           {
-            float wacc[NT][4];
-            times_copy(wacc, rtk_smem_addr(sm + L::W + slot * L::SCOPY));
+            float wacc[NT][4];  // W or Z
+            times_copy(wacc, rtk_smem_addr(sm + L::W + (ZSMEM ? 0 : slot) * L::SCOPY));
             scores();
             #pragma unroll
-            for (int ks = 0; ks < BV / 16; ++ks) rtk_wgmma_ss<DT, 0>(xv, rtk_desc_at(dx, kmaj(ks)), rtk_desc_at(dvk, kmaj(ks)), ks);
+            for (int ks = 0; ks < (WFORM ? BV / 16 : 0); ++ks) rtk_wgmma_ss<DT, 0>(xv, rtk_desc_at(dx, kmaj(ks)), rtk_desc_at(dvk, kmaj(ks)), ks);
             rtk_wg_commit();
             rtk_wg_wait<1>();
             rtk_wg_pin(reinterpret_cast<float (&)[NT * 4]>(wacc));
@@ -291,18 +292,24 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
           }
           rtk_wg_fence();  // o_acc may take wacc's registers
           times_copy(o_acc, sS_addr);
+          if constexpr (ZSMEM)  // Z's step while q S runs (the last weighs S by len - 1, for <G, Z_end>)
+            rtk_zcopy_step<DT, KMAX, BV>(sm + L::S, sm + L::W, rtk_exp2(lg2 * len), len - (chunk + 1 == nchunks), tid);
           rtk_chunk_land<1>(p, o_acc, f_lo, f_hi, [&](float (&pp)[8][4]) {
             scale_scores(pp);
-            rtk_wg_pin(xv);
-            dlog_sum += rtk_dlog_intra(pp, xv, r0, g, t4);  // sum_{s<t} (t-s) P_ts (x_t . v_s)
+            if constexpr (WFORM) {
+              rtk_wg_pin(xv);
+              dlog_sum += rtk_dlog_intra(pp, xv, r0, g, t4);  // sum_{s<t} (t-s) P_ts (x_t . v_s)
+            }
           });
-          // x_t . (t+1) gamma^(t+1) scale q_t S, before P v joins o_acc
-          dlog_sum += rtk_dlog_rows<DT>(o_acc, sX, r0, g, t4, (float)(r0 + g + 1), (float)(r0 + g + 9), voff);
+          // x_t . (t+1) gamma^(t+1) scale q_t S (Z: weight t), before P v joins o_acc
+          constexpr int e = WFORM ? 1 : 0;
+          dlog_sum += rtk_dlog_rows<DT>(o_acc, sX, r0, g, t4, (float)(r0 + g + e), (float)(r0 + g + 8 + e), voff);
         } else {
           scores();
           rtk_wg_commit();
           times_copy(o_acc, sS_addr);
           rtk_chunk_land<1>(p, o_acc, f_lo, f_hi, scale_scores);
+          if constexpr (DUAL_DLOG) rtk_frag_copy(pk, p);
         }
         if (!v_bad) {  // P v: P from registers, v from shared memory
           rtk_chunk_pv_wgmma<DT>(o_acc, p, sV_addr);
@@ -390,7 +397,16 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
             rtk_wgmma_ss<DT, 0>(reinterpret_cast<float (&)[32]>(o2[8 * nb]), rtk_desc_at(dx, kmaj(ks)),
                                 rtk_desc_at(dst, ((ks >> 2) * (KMAX * 128) + (ks & 3) * 32 + nb * (64 * 128)) >> 4), ks);
         rtk_wg_commit();
-        rtk_chunk_land<1>(p2, o2, f_lo, f_hi, scale_scores);
+        rtk_chunk_land<1>(p2, o2, f_lo, f_hi, [&](float (&pp)[8][4]) {
+          // DUAL_DLOG, the split's intra-chunk term: sum_{s<t} (t-s) P_ts (x_t . v_s), x v^T unscaled
+          if constexpr (DUAL_DLOG) dlog_sum += rtk_dlog_intra(pk, reinterpret_cast<const float (&)[32]>(pp), r0, g, t4);
+          scale_scores(pp);
+        });
+        if constexpr (DUAL_DLOG) {  // the split's edge term: q_t . o2_t' (o2' = x S^T, before P2 k joins)
+          const int e = chunk == 0 && blockIdx.z == 0 ? 0 : 1;  // weight t + 1, t where the sequence ends
+          dlog_sum += rtk_dlog_rows<DT>(o2, sm + stage * L::STAGE + L::Q, r0, g, t4, (float)(r0 + g + e),
+                                        (float)(r0 + g + 8 + e), [](int r, int pc) { return L::qk_off(r, pc); });
+        }
         bool saw2 = false;
         if (!v_bad) {
           rtk_chunk_pv_wgmma<DT>(o2, p2, sK_addr);
@@ -412,6 +428,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       v_bad = out_end(chunk);  // done with this stage and this state copy
     }
     if (WG && (osend || (DUAL && osend2))) rtk_bulk_wait_all<0>();
+    if (ZSMEM && gz != nullptr) dlog_sum += rtk_zcopy_dot<DT, KMAX, BV>(sm + L::W, tid, gz, Dk, dv_here, v0);
     if constexpr (DLOG) {  // this warp's share of the CTA's sum (s_red[0 .. 7]: fp16's S maxima, no longer read)
       #pragma unroll
       for (int off = 16; off > 0; off >>= 1) dlog_sum += __shfl_xor_sync(0xffffffffu, dlog_sum, off);
@@ -425,30 +442,30 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     constexpr int MSTEP = WG ? 64 : 16;
     const int sr0 = (warp - 4) * (WG ? 16 : MT * 16);
     float s_acc[MT][NT][4];
-    float w_acc[DLOG ? MT : 1][NT][4];  // DLOG: W = dS/dlog(gamma), from 0 (or the folded slots)
-    const float dn = DLOG ? rtk_dlog_norm<DT>(lg2) : 1.f;  // fp16: w_acc holds W dn (decay.cuh)
+    float w_acc[ZREG ? MT : 1][NT][4];  // W = dS/dlog(gamma) or Z, from 0 (or the folded slots)
+    const float dn = WFORM ? rtk_dlog_norm<DT>(lg2) : 1.f;  // fp16: w_acc holds W dn (decay.cuh)
     #pragma unroll
-    for (int mt = 0; mt < (DLOG ? MT : 1); ++mt) rtk_zero(w_acc[mt]);
+    for (int mt = 0; mt < (ZREG ? MT : 1); ++mt) rtk_zero(w_acc[mt]);
     const rtk_chunk_state<MT, NT, MSTEP> sf = {sr0, g, t4, bh, Dk, Dv, v0, dv_here,
                                                mode == RTK_MODE_FOLD ? 0 : state_slot};
     if (mode == RTK_MODE_FOLD) {
       const float lgd = rtk_head_log_decay(decay, decay_mode, h);
       const int per_seg = (int)(seg_len / p.fold_len);
-      if constexpr (DLOG)
+      if constexpr (ZREG)  // (Z is not split: rtkernels/methods/chunk/plan.py)
         sf.template fold_with<true, DT == RTK_F16>(s_acc, w_acc, init_state, lgd, p.fold_len, per_seg, gridDim.x, dn);
       else sf.fold(s_acc, init_state, lgd, p.fold_len, per_seg, gridDim.x);
     } else {
       sf.load(s_acc, init_state);
     }
     if (seq_bad) rtk_frag_scale(s_acc, __int_as_float(0x7fc00000));  // invalid packed offsets: NaN states
-    auto publish_max = [&](int slot) {  // fp16 (DLOG: W's too, at base 8)
+    auto publish_max = [&](int slot) {  // fp16 (DQ_DLOG: W's or Z's too, at base 8)
       if (DT != RTK_F16) return;
       auto warp_max = [&](const float (&x)[MT][NT][4], int base) {
         const float m = rtk_frag_warp_absmax(x);
         if (lane == 0) s_red[base + slot * 4 + warp - 4] = m;
       };
       warp_max(s_acc, 0);
-      if constexpr (DLOG) warp_max(w_acc, 8);
+      if constexpr (ZREG) warp_max(w_acc, 8);
     };
     // the copy of S entering chunk c: copy c % 2, with fp16 scaling slot c % 2 (after publish_max
     // and next_copy's barrier)
@@ -458,7 +475,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       sf.pairs(s_acc, [&](int r, int c, float lo, float hi) {
         rtk_store_pair<DT>(sS + L::s_off(r, c >> 3) + (c & 7), lo * mul, hi * mul);
       });
-      if constexpr (DLOG) {
+      if constexpr (ZREG) {
         const float wmul = DT == RTK_F16 ? exp2f((float)copy_exponent(slot, 8)) : 1.f;
         rtk_u16* sW = sm + L::W + slot * L::SCOPY;
         sf.pairs(w_acc, [&](int r, int c, float lo, float hi) {
@@ -466,9 +483,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         });
       }
     };
-    // once per period (and before the first): with SERIAL a CTA barrier between publishing the
-    // fp16 maximum and writing the copy (and, with one copy, after the output warps' reads of it),
-    // with STATE_BAR a barrier of the state warps there
+    // once per period (and before the first): SERIAL, a CTA barrier between publishing fp16's maximum
+    // and writing the copy (and, with one copy, after the output warps' reads); STATE_BAR, the state warps'
     auto next_copy = [&](int slot, bool store) {
       publish_max(slot);
       if (SERIAL) rtk_cta_sync();
@@ -487,18 +503,19 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       const int ahead = chunk + STAGES - 1;
       if (ahead < nchunks) load_chunk(ahead, ahead % STAGES);  // its stage was read in period c - 1
       rtk_cp_async_commit();
-      const int n0 = chunk * C;
-      const int len = min(C, NS - n0);
+      const int n0 = grid.start(chunk), len = grid.len(chunk, n0);
       const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
       const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
       // ---- state warps: S = gamma^len S + (K * w)^T V, w_s = gamma^(len-1-s) ----------------
       const float carry = rtk_exp2(lg2 * (float)len);
-      if constexpr (DLOG) rtk_frag_dlog_step<DT == RTK_F16>(w_acc, s_acc, carry, len, dn);  // before S moves on
+      // before S moves on; Z's last step weighs S by len - 1: Z then holds what <G, .> needs
+      const int zm = WFORM || chunk + 1 < nchunks ? len : len - 1;
+      if constexpr (ZREG) rtk_frag_dlog_step<WFORM && DT == RTK_F16>(w_acc, s_acc, carry, zm, dn);
       rtk_frag_scale(s_acc, carry);
       // k-step kk (tokens s = 16 kk ..): a[mt] = the A fragment of (k_s gamma^(len-1-s))^T for
       // m-tile mt, and for W a2[mt] of (k_s (len-1-s) gamma^(len-1-s))^T (weights 0 past len)
       auto weighted_k = [&](int kk, rtk_u32 (&a)[MT][4], rtk_u32 (&a2)[MT][4]) {
-        const rtk_key_weights<DT, DLOG> kw(lg2, len, kk, t4, false, dn);
+        const rtk_key_weights<DT, WFORM> kw(lg2, len, kk, t4, false, dn);
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * L::qk_off(kk * 16 + (lane & 7) + (lane >> 4) * 8,
@@ -511,7 +528,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         const unsigned long long dv = rtk_wg_desc(sV_addr, RTK_MN_LBO(C * 128), RTK_MN_SBO(C * 128));
         #pragma unroll 1
         for (int kk = 0; kk * 16 < len; ++kk) {
-          rtk_u32 a[MT][4], a2[MT][4];  // a2: DLOG only
+          rtk_u32 a[MT][4], a2[MT][4];  // a2: W only
           weighted_k(kk, a, a2);
           rtk_wg_fence();
           #pragma unroll
@@ -520,7 +537,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
             for (int nb = 0; nb < BV / 64; ++nb) {
               const unsigned long long db = rtk_desc_at(dv, (nb * (C * 128) + kk * 2048) >> 4);
               rtk_wgmma_rs<DT, 1>(reinterpret_cast<float (&)[32]>(s_acc[mt][8 * nb]), a[mt], db, 1);
-              if constexpr (DLOG)
+              if constexpr (WFORM)
                 rtk_wgmma_rs<DT, 1>(reinterpret_cast<float (&)[32]>(w_acc[mt][8 * nb]), a2[mt], db, 1);
             }
           rtk_wg_commit();
@@ -532,12 +549,12 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
           #pragma unroll
           for (int nb = 0; nb < BV / 64; ++nb) {
             rtk_wg_pin(reinterpret_cast<float (&)[32]>(s_acc[mt][8 * nb]));
-            if constexpr (DLOG) rtk_wg_pin(reinterpret_cast<float (&)[32]>(w_acc[mt][8 * nb]));
+            if constexpr (WFORM) rtk_wg_pin(reinterpret_cast<float (&)[32]>(w_acc[mt][8 * nb]));
           }
       } else {
         #pragma unroll 1
         for (int kk = 0; kk * 16 < len; ++kk) {
-          rtk_u32 a[MT][4], a2[MT][4];  // a2: DLOG only
+          rtk_u32 a[MT][4], a2[MT][4];  // a2: W only
           weighted_k(kk, a, a2);
           #pragma unroll
           for (int np = 0; np < NT / 2; ++np) {
@@ -547,7 +564,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
             for (int mt = 0; mt < MT; ++mt) {
               rtk_mma16816<DT>(s_acc[mt][2 * np], a[mt], bb[0], bb[1]);
               rtk_mma16816<DT>(s_acc[mt][2 * np + 1], a[mt], bb[2], bb[3]);
-              if constexpr (DLOG) {
+              if constexpr (WFORM) {
                 rtk_mma16816<DT>(w_acc[mt][2 * np], a2[mt], bb[0], bb[1]);
                 rtk_mma16816<DT>(w_acc[mt][2 * np + 1], a2[mt], bb[2], bb[3]);
               }
@@ -555,17 +572,18 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
           }
         }
       }
-      // the copy of S entering chunk c + 1 (its buffer was read in period c - 1; with one copy,
-      // after the output warps are done with it)
+      // the copy of S entering chunk c + 1 (its buffer was read in period c - 1, or with one copy in c)
+      if constexpr (ZSMEM) rtk_zcopy_state_sync();  // (for racecheck: dlog_rows.cuh)
       next_copy(slot ^ 1, chunk + 1 < nchunks);
       end_period(chunk + 1);
     }
     const bool ends = mode != RTK_MODE_FOLD || blockIdx.z + 1 == gridDim.z;
     if (ends) sf.store(s_acc, final_state);
-    if constexpr (DLOG) {  // <G, W_end> over this tile, by the CTA that ends the sequence
-      float gw = (ends && p.dlog_g != 0)
-                     ? sf.dot_transposed(w_acc, reinterpret_cast<const float*>(p.dlog_g) + (rtk_i64)bh * Dk * Dv)
-                     : 0.f;
+    if constexpr (DLOG) {  // <G, W_end> (Z_end) over this tile, by the CTA that ends the sequence; DUAL, ZSMEM: 0
+      float gw = 0.f;
+      if constexpr (ZREG)
+        if (ends && p.dlog_g != 0)
+          gw = sf.dot_transposed(w_acc, reinterpret_cast<const float*>(p.dlog_g) + (rtk_i64)bh * Dk * Dv);
       if (DT == RTK_F16) gw *= 1.f / dn;
       #pragma unroll
       for (int off = 16; off > 0; off >>= 1) gw += __shfl_xor_sync(0xffffffffu, gw, off);

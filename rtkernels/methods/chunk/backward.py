@@ -94,7 +94,7 @@ from ...jit.dtypes import compute_dtype
 from .._torch_common import decay_powers, run_torch_path
 from . import launch, plan
 from .plan import current_overrides
-from .decay_grad import PartialSums, dq_pass_sums, kernel_log_decay_grad
+from .decay_grad import PartialSums, dq_pass_sums, kernel_log_decay_grad, z_split_applies
 from .torch_path import torch_forward
 
 __all__ = ["KERNEL_DTYPES", "kernel_runs", "forward_pass", "gradient_passes", "kernel_backward", "clear_plans", "supports",
@@ -130,7 +130,8 @@ def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: L
                  dlog: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
                  forward_states: Optional[tuple[torch.Tensor, tuple]] = None,
                  keep: Optional[list] = None,
-                 dual: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+                 dual: Optional[tuple[torch.Tensor, torch.Tensor]] = None, zsplit: bool = False
+                 ) -> Optional[torch.Tensor]:
     """The forward operator into ``out`` (``[B, H, N, Dv]``), in token order or, with ``reverse``,
     on the reversed sequence with its output written back in reverse order (``initial_state``
     entering before token N-1, the final state, returned when ``need_state``, after token 0).
@@ -142,11 +143,12 @@ def forward_pass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: L
     (kernel only; :func:`.decay_grad.dq_pass_sums` decides). ``forward_states``, ``keep``: another
     pass's states-pass slots to fold, a list for this pass's (kernel only; :func:`.launch.launch_pass`).
     ``dual``: (x, out2), the dv pass that also writes dk (kernel only, where
-    :func:`.plan.fuses_dk_dv` holds; :func:`.launch.kernel_forward`)."""
+    :func:`.plan.fuses_dk_dv` holds; :func:`.launch.kernel_forward`). ``zsplit``: dlog(gamma) by the Z
+    split (kernel only; :func:`.launch.kernel_forward`)."""
     if kernel_runs(q, k, v, out) if on_kernel is None else on_kernel:
         return launch.kernel_forward(q, k, v, log_decay, scale, out, initial_state, need_state, fp32_precision,
                                      reverse=reverse, dlog=dlog, forward_states=forward_states, keep=keep,
-                                     dual=dual)
+                                     dual=dual, zsplit=zsplit)
     if not reverse:
         return run_torch_path(torch_forward, q, k, v, log_decay, scale, out, initial_state, need_state)
     flipped = torch.empty_like(out)
@@ -208,8 +210,8 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
                     dlog_partials: Optional[torch.Tensor] = None, dlog_g: Optional[torch.Tensor] = None,
                     forward_states: Optional[tuple[torch.Tensor, tuple]] = None,
                     fuse_dk_dv: Optional[bool] = False, sequences: int = 0,
-                    state_grad_entry: Optional[torch.Tensor] = None, lg: Optional[torch.Tensor] = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
+                    state_grad_entry: Optional[torch.Tensor] = None, lg: Optional[torch.Tensor] = None,
+                    dual_partials: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor],
                                Optional[torch.Tensor]]:
     """The three passes of the module docstring, each ``run(q, k, v, log_decay, scale, out,
     initial_state, need_state, reverse)`` (a forward pass into ``out``; :func:`forward_pass` here,
@@ -230,21 +232,28 @@ def gradient_passes(run: Callable[..., Optional[torch.Tensor]], q: torch.Tensor,
     state (the dv pass's; its transpose the dk pass's), :func:`grad_state_entry`'s X, or None; R's
     final state, and so dS_0, then holds the G term gamma^N G too. ``lg``: log(gamma) in the compute
     dtype where the caller has formed it (a device decay's costs several operations), else formed
-    here where dS_0 or the G terms need it."""
+    here where dS_0 or the G terms need it. ``dual_partials``: dlog(gamma) by the Z split
+    (:func:`.decay_grad.z_split_sums`; the dk and dv passes fused, no initial state): the dq pass
+    writes its partial sums into ``dlog_partials`` and the fused dk/dv pass its own into these
+    (``run`` then takes ``zsplit=True`` for both)."""
     cdt = compute_dtype(q.dtype)
     # dk and dv are allocated after the dq pass is launched: the GPU waits for the first launch
     dq = _gradient_buffer(q, dtype)
     s0_t = None if initial_state is None else initial_state.transpose(-1, -2)
     extra = {} if forward_states is None else {"states": forward_states}
+    z = {} if dual_partials is None else {"zsplit": True}
     if dlog_partials is None:
         run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, **extra)
     else:
-        run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, dlog=(q, dlog_partials, dlog_g), **extra)
+        run(grad_out, v, k, log_decay, scale, dq, s0_t, False, False, dlog=(q, dlog_partials, dlog_g), **extra, **z)
     dk, dv = _gradient_buffer(k, dtype), _gradient_buffer(v, dtype)
     if fuse_dk_dv is None:
         fuse_dk_dv = plan.fuses_dk_dv(q, k, v, grad_out, dk, current_overrides(), sequences)
     entry = state_grad_entry
-    if fuse_dk_dv:
+    if dual_partials is not None:
+        back = run(k, q, grad_out, log_decay, scale, dv, entry, need_state_grad, True, dual=(v, dk),
+                   dlog=(v, dual_partials, None), zsplit=True)
+    elif fuse_dk_dv:
         back = run(k, q, grad_out, log_decay, scale, dv, entry, need_state_grad, True, dual=(v, dk))
     else:
         kept: list = []
@@ -279,7 +288,7 @@ class _PlannedBackward(NamedTuple):
         passes = iter(self.passes)
 
         def run(q, k, v, log_decay_, scale, out, initial_state, need_state, reverse, dlog=None, states=None,
-                keep=None, dual=None):
+                keep=None, dual=None, zsplit=False):
             return launch.launch_pass(next(passes), q, k, v, out, initial_state, decay, dlog=dlog,
                                       forward_states=states, keep=keep, dual=dual)
         return run
@@ -335,27 +344,32 @@ def kernel_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay
         fuse_dk_dv = None if on_kernel else False  # None: gradient_passes asks plan.fuses_dk_dv
         # dlog(gamma) inside the dq pass where it can (decay_grad's docstring), else its own kernel below
         fused = need_decay_grad and on_kernel and dq_pass_sums(q, k, v, grad_out, grad_state)
-        sums = PartialSums(q, v, log_decay) if fused else None
+        # the Z split where it applies: no initial state, G (if any) on the reversed passes
+        z_rows = (z_split_applies(q, k, v, grad_out) if fused and initial_state is None and k.is_contiguous()
+                  and (grad_state is None or abs(scale) >= STATE_GRAD_MIN_SCALE) else None)
+        sums = PartialSums(q, v, log_decay, dual_rows=z_rows) if fused else None
         if key is not None and on_kernel and (fused or not need_decay_grad) and all(
                 x.stride(-1) == 1 for x in (q, k, v, grad_out)):  # every pass a kernel_forward launch
             planning = []
 
         def run(q_, k_, v_, log_decay_, scale_, out, initial_state_, need_state, reverse, dlog=None, states=None,
-                keep=None, dual=None):
+                keep=None, dual=None, zsplit=False):
             if planning is not None:  # the launch kernel_forward takes (unit strides: no copies)
                 planning.append(launch.pass_launcher(q_, k_, v_, log_decay_, scale_, out, need_state, fp32_precision,
-                                                     reverse=reverse, dlog=dlog is not None, dual=dual is not None))
+                                                     reverse=reverse, dlog=dlog is not None, dual=dual is not None,
+                                                     zsplit=zsplit))
             return forward_pass(q_, k_, v_, log_decay_, scale_, out, initial_state_, need_state, reverse,
-                                fp32_precision, on_kernel, dlog, states, keep, dual)
+                                fp32_precision, on_kernel, dlog, states, keep, dual, zsplit)
 
     partials = None if sums is None else sums.buffer()
+    dual_partials = None if sums is None or sums.dq_rows is None else partials[sums.dq_rows * sums.shape[2]:]
     g_fp32 = None if sums is None or grad_state is None else grad_state.to(torch.float32).contiguous()
     lg = None if grad_state is None else log_decay.tensor(cdt)  # formed once for the G terms and dS_0
     entry, far = grad_state_entry(grad_state, lg, scale)  # the G terms ride on the reversed passes
     dq, dk, dv, d_s0, lg = gradient_passes(run, q, k, v, log_decay, scale, initial_state, grad_out, grad_state,
                                            need_state_grad, q.dtype if on_kernel else cdt, partials, g_fp32,
                                            forward_states if on_kernel else None, fuse_dk_dv,
-                                           state_grad_entry=entry, lg=lg)
+                                           state_grad_entry=entry, lg=lg, dual_partials=dual_partials)
     if grad_state is not None:
         g_state = grad_state.to(cdt)
         if entry is None:  # |scale| too small to divide by: torch products over the sequence

@@ -81,7 +81,7 @@ import torch
 from ...decay import LogDecay
 from ...jit import dtype_code, get_function, launch
 from .._launch import fwd_tail, unit_stride
-from .plan import _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config, dlog_launch
+from .plan import _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config, dlog_launch, dual_launch, fuses_dk_dv
 
 __all__ = ["SOURCE", "SOURCE_F32", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "kernel_config_f32",
            "all_configs", "all_configs_f32", "name_expression", "name_expression_f32", "smem_bytes", "smem_bytes_f32",
@@ -254,11 +254,20 @@ class PartialSums:
     allocation (the partial sums and the result's row) and one bound launch to the fixed decay's
     host time."""
 
-    __slots__ = ("shape", "device", "_sum", "_at")
+    __slots__ = ("shape", "device", "_sum", "_at", "dq_rows")
 
-    def __init__(self, q: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, sequences: int = 0):
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, sequences: int = 0,
+                 dual_rows: Optional[int] = None):
         dev = q.device.index
         self.shape, self.device = _partials_shape(q, v, sequences), q.device
+        #: the Z split (``dual_rows``: the fused dk/dv pass's CTA rows, segments * B): the dq pass's
+        #: sums as rows of one tile, then the dk/dv pass's from row ``dq_rows``
+        self.dq_rows = None
+        if dual_rows is not None:  # the Z dq pass's value tiles: 64 wide, or 128 (plan.dlog_config's wide)
+            b, h, n, dk = q.shape
+            bv = dlog_launch(q.dtype, v.shape[-1], dk, b * h, n, dev, current_overrides(), True).bv
+            self.dq_rows = self.shape[0] * -(-dk // bv)
+            self.shape = (self.dq_rows + dual_rows, 1, self.shape[2])
         rows, tiles, h = self.shape
         self._at = -(-rows * tiles * h // 64) * 64  # the result's offset: 256-byte aligned, as a fresh tensor
         grid, block, tail = _sum_launch(self.shape, log_decay, True)
@@ -288,6 +297,27 @@ def dq_pass_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: to
             and all(aligned(x) for x in (q, k, v, grad_out))
             and dlog_config(q.dtype, v.shape[-1], True) is not None
             and _wgmma_ok(q.device.index, current_overrides()))
+
+
+def z_split_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor) -> Optional[int]:
+    """Where a backward whose dq pass sums dlog(gamma) (:func:`dq_pass_sums`) takes the Z split
+    (``cuda_src/chunk/dlog_rows.cuh``): the W form's dq pass would run in one segment (the Z form
+    is never split), the dk and dv passes fuse (:func:`.plan.fuses_dk_dv`, k standing for the dk
+    buffer, which takes its strides), and its dq pass takes the 128-wide instance
+    (:func:`.plan.dlog_launch`; with 64-wide tiles the split only moves time from the dq pass to the
+    dk/dv pass). ``Overrides.dlog_split``: False never, True with either width. Returns the fused
+    pass's CTA rows (its segments * B), which the partial sums' buffer holds after the dq pass's
+    (:class:`PartialSums`), else None. The caller checks the rest: no initial state, and a
+    final-state gradient only where it rides on the reversed passes."""
+    over = current_overrides()
+    b, h, n, dk = q.shape
+    if over.dlog_split is False or _partials_shape(q, v)[0] != b:
+        return None
+    if over.dlog_split is None and dlog_launch(q.dtype, v.shape[-1], dk, b * h, n, q.device.index, over, True).bv != 128:
+        return None
+    if not fuses_dk_dv(q, k, v, grad_out, k, over):
+        return None
+    return dual_launch(q.dtype, dk, v.shape[-1], b * h, n, q.device.index, over, True).segments * b
 
 
 def _partials_shape(q: torch.Tensor, v: torch.Tensor, sequences: int = 0) -> tuple[int, int, int]:

@@ -98,6 +98,10 @@ class ChunkLaunch:
     ``dual``, the addresses of x (the forward's v, with v's strides) and of the second output (dk,
     with k's strides).
 
+    ``zsplit``: with ``dlog``, the Z form of the dq pass (one segment); with ``dual``, the instance
+    that also sums the Z split's terms of dlog(gamma) (each call then takes ``dlog`` too: its
+    partial sums' address, ``[segments * rows, 1, H]``). ``cuda_src/chunk/dlog_rows.cuh`` has the math.
+
     ``fold``: for a split launch with the dedicated states pass (16-bit, not ``dlog``), what its
     slots are: ``(segments, fold_len, slots, state_shape)``, else None. A call may hand back its
     slots (``keep``, a list it appends ``(slots, fold)`` to: the forward of a training step keeps
@@ -111,7 +115,8 @@ class ChunkLaunch:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
                  out: torch.Tensor, need_state: bool, reverse: bool = False, fp32_precision: str = "exact",
-                 tuned: Optional[Config] = None, sequences: int = 0, dlog: bool = False, dual: bool = False):
+                 tuned: Optional[Config] = None, sequences: int = 0, dlog: bool = False, dual: bool = False,
+                 zsplit: bool = False):
         b, h, n, dk = q.shape
         dv = v.shape[-1]
         vec = aligned(q, reverse) and aligned(k, reverse) and aligned(v, reverse)
@@ -123,10 +128,12 @@ class ChunkLaunch:
         over = current_overrides()
         if sequences:
             bh = sequences * h
-        if dlog:  # packed sequences: one segment (as packed_launch)
-            lp = dlog_launch(q.dtype, dk, dv, bh, n, dev, dataclasses.replace(over, segments=1) if sequences else over)
-        elif dual:  # packed sequences: one segment (as packed_launch)
-            lp = dual_launch(q.dtype, dk, dv, bh, n, dev, dataclasses.replace(over, segments=1) if sequences else over)
+        if dual:  # packed sequences: one segment (as packed_launch)
+            lp = dual_launch(q.dtype, dk, dv, bh, n, dev, dataclasses.replace(over, segments=1) if sequences else over,
+                             zsplit)
+        elif dlog:
+            lp = dlog_launch(q.dtype, dk, dv, bh, n, dev, dataclasses.replace(over, segments=1) if sequences else over,
+                             zsplit)
         elif sequences:
             lp = packed_launch(q.dtype, dk, dv, vec, bh, max(1, n // sequences), dev, over, exact)
         else:
@@ -222,7 +229,7 @@ class ChunkLaunch:
             bound, rev = self.packed
             if dual is not None:  # x has v's strides and the second output k's: the same row offsets
                 x, out2 = dual
-                extras = (x + (self.offsets[2] if self.offsets else 0), 0, 0,
+                extras = (x + (self.offsets[2] if self.offsets else 0), dlog[1] if dlog else 0, 0,
                           out2 + (self.offsets[1] if self.offsets else 0))
             else:
                 extras = (*(dlog or (0, 0, 0)), 0)
@@ -374,7 +381,7 @@ _PLANNED_MAX = 256
 
 def pass_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay", scale: float,
                   out: torch.Tensor, need_state: bool, fp32_precision: str = "exact", *, reverse: bool = False,
-                  sequences: int = 0, dlog: bool = False, dual: bool = False):
+                  sequences: int = 0, dlog: bool = False, dual: bool = False, zsplit: bool = False):
     """The planned launch (:class:`ChunkLaunch` or :class:`KeyPiecesLaunch`) of one
     :func:`kernel_forward` pass over these ``[B, H, N, D]`` views (unit last stride), kept by call
     signature: shapes, strides, dtypes, device, 16-byte alignment, the decay's kernel mode, scale,
@@ -383,15 +390,16 @@ def pass_launcher(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: 
     mode = log_decay.kernel_arg()[1]
     key = (q.shape, q.stride(), k.stride(), v.shape, v.stride(), out.stride(), q.dtype, k.dtype, v.dtype,
            out.dtype, q.get_device(), (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) & 15, mode,
-           scale, need_state, fp32_precision, reverse, sequences, dlog, dual, plan_state(), current_overrides())
+           scale, need_state, fp32_precision, reverse, sequences, dlog, dual, zsplit, plan_state(), current_overrides())
     launcher = _planned.get(key)
     if launcher is None:
         if len(_planned) >= _PLANNED_MAX:
             _planned.clear()
         launcher = _planned[key] = (
-            ChunkLaunch(q, k, v, log_decay, scale, out, need_state, sequences=sequences, dlog=True) if dlog
-            else ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse, sequences=sequences,
-                             dual=True) if dual
+            ChunkLaunch(q, k, v, log_decay, scale, out, need_state, reverse, sequences=sequences, dual=True,
+                        zsplit=zsplit) if dual
+            else ChunkLaunch(q, k, v, log_decay, scale, out, need_state, sequences=sequences, dlog=True,
+                             zsplit=zsplit) if dlog
             else _launcher(q, k, v, log_decay, scale, out, need_state, reverse, fp32_precision, sequences))
     return launcher
 
@@ -403,7 +411,8 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
                    dlog: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = None,
                    forward_states: Optional[tuple[torch.Tensor, tuple]] = None,
                    keep: Optional[list] = None,
-                   dual: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> Optional[torch.Tensor]:
+                   dual: Optional[tuple[torch.Tensor, torch.Tensor]] = None, zsplit: bool = False
+                   ) -> Optional[torch.Tensor]:
     """One fused pass, or with few (batch, head, value-tile) CTAs the split-sequence strategy:
     a states-only pass (``rtk_chunk_states`` for 16-bit inputs, which skips the last segment; the
     fused kernel's states-only mode plus a scan kernel for fp32), then the fused pass per segment
@@ -438,11 +447,14 @@ def kernel_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay:
     :func:`.plan.fuses_dk_dv`): this pass is the dv pass R(k, q, g) into ``out``, and it also writes
     R(x, g, k) (dk, with x the forward's v) into ``out2``; x has v's strides, out2 k's.
 
+    ``zsplit``: dlog(gamma) by the Z split (:class:`ChunkLaunch`): with ``dlog``, the dq pass's Z form;
+    with ``dual`` (and ``dlog = (x, partial, None)``), the dk/dv pass's terms into ``partial``.
+
     The plan is kept by call signature (:func:`pass_launcher`), so a repeated pass costs its launches."""
     q, k, v = unit_stride(q, k, v)
     sequences = 0 if packed is None else packed[0].shape[0] - 1
     launcher = pass_launcher(q, k, v, log_decay, scale, out, need_state, fp32_precision, reverse=reverse,
-                             sequences=sequences, dlog=dlog is not None, dual=dual is not None)
+                             sequences=sequences, dlog=dlog is not None, dual=dual is not None, zsplit=zsplit)
     decay = log_decay.kernel_arg()[0]
     seqs = None if packed is None else (packed[0].data_ptr(), packed[1].data_ptr())
     return launch_pass(launcher, q, k, v, out, initial_state, decay, seqs, dlog, forward_states, keep, dual)

@@ -161,32 +161,38 @@ def all_configs() -> list[tuple]:
              for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True) for ctas in (1, 2)}
     wg = {kernel_config(dt, dk, 128, vec, 1, 1, True, bv, stages=st) for dt in (torch.float16, torch.bfloat16)
           for dk in (64, 128) for vec in (False, True) for bv in (64, 128) for st in (2, 3)}
-    dlog = {dlog_config(dt, dk, True) for dt in (torch.float16, torch.bfloat16) for dk in (64, 128)}
-    dual = {dual_config(dt, dk, dv, True) for dt in (torch.float16, torch.bfloat16)
-            for dk in (64, 128) for dv in (64, 128)}
+    dlog = {dlog_config(dt, dk, True, z) for dt in (torch.float16, torch.bfloat16) for dk in (64, 128)
+            for z in (False, True)} | {dlog_config(torch.bfloat16, dk, True, True, True) for dk in (64, 128)}
+    dual = {dual_config(dt, dk, dv, True, z) for dt in (torch.float16, torch.bfloat16)
+            for dk in (64, 128) for dv in (64, 128) for z in (False, True)}
     return sorted(plain | wg | dlog | dual | _f32_configs())
 
 
-def dlog_config(dtype: torch.dtype, dk: int, vec: bool) -> Optional[tuple]:
+def dlog_config(dtype: torch.dtype, dk: int, vec: bool, zsplit: bool = False, wide: bool = False) -> Optional[tuple]:
     """Template arguments (DT, KMAX, BV, VEC, MINB, WG, DLOG) of the ``rtk_chunk_fwd`` instance that
     also sums dlog(gamma) (the backward's dq pass of a trainable decay, ``cuda_src/chunk/fwd16.cu``'s
     header): fp16 or bf16, 16-byte aligned rows, Dk (the pass's: the forward's Dv) <= 128, on the
-    wgmma kernel with 64-wide value tiles; None where it does not exist. The caller checks that the
-    GPU runs sm_90a code."""
+    wgmma kernel with 64-wide value tiles; None where it does not exist. ``zsplit``: its Z form (DLOG
+    2, ``cuda_src/chunk/dlog_rows.cuh``), else W's; with ``wide`` (bf16 only), the Z form with
+    128-wide value tiles and Z kept only in its 16-bit copy (DLOG 3). The caller checks that the GPU
+    runs sm_90a code."""
     if dtype not in (torch.float16, torch.bfloat16) or not vec or dk > KEY_PIECE:
         return None
-    return dtype_code(dtype), _kmax(dk), 64, True, 1, True, True
+    if wide:
+        return (dtype_code(dtype), _kmax(dk), 128, True, 1, True, 3) if zsplit and dtype == torch.bfloat16 else None
+    return dtype_code(dtype), _kmax(dk), 64, True, 1, True, 2 if zsplit else True
 
 
-def dual_config(dtype: torch.dtype, dk: int, dv: int, vec: bool) -> Optional[tuple]:
+def dual_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, dlog: bool = False) -> Optional[tuple]:
     """Template arguments (DT, KMAX, BV, VEC, MINB, WG, DLOG, STAGES, DUAL) of the ``rtk_chunk_fwd``
     instance that runs the backward's dk and dv passes as one walk (``cuda_src/chunk/fwd16.cu``'s
     header, DUAL): fp16 or bf16, 16-byte aligned rows, Dk <= 128 and Dv <= 128 (the forward's; dk
     contracts over all of Dv, so one value tile of 64 or 128 columns holds it), on the wgmma
-    kernel; None where it does not exist. The caller checks that the GPU runs sm_90a code."""
+    kernel; None where it does not exist. ``dlog``: the instance that also sums the Z split's terms
+    of dlog(gamma) (DLOG 2). The caller checks that the GPU runs sm_90a code."""
     if dtype not in (torch.float16, torch.bfloat16) or not vec or dk > KEY_PIECE or dv > 128:
         return None
-    return dtype_code(dtype), _kmax(dk), 64 if dv <= 64 else 128, True, 1, True, False, 2, True
+    return dtype_code(dtype), _kmax(dk), 64 if dv <= 64 else 128, True, 1, True, 2 if dlog else False, 2, True
 
 
 def _is_f32(config: tuple) -> bool:
@@ -199,14 +205,16 @@ def name_expression(config: tuple) -> str:
     return "rtk_chunk_fwd<" + ", ".join(str(c).lower() for c in config) + ">"
 
 
-def smem_bytes(kmax: int, bv: int, wg: bool = False, dlog: bool = False, stages: int = 2, dual: bool = False) -> int:
+def smem_bytes(kmax: int, bv: int, wg: bool = False, dlog: bool = False, stages: int = 2, dual: bool = False,
+               zsmem: bool = False) -> int:
     """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in
     ``cuda_src/chunk/layout16.cuh``): ``stages`` stages of q/k/v tiles, two 16-bit state copies (one
     for KMAX 256), and with ``wg`` two buffers of output rows (one where two do not fit beside three
     stages); ``dlog`` (wgmma only): an x tile per stage and two copies of W; ``dual`` (wgmma only):
-    an x tile per stage and one buffer of output rows as wide as the wider output."""
+    an x tile per stage and one buffer of output rows as wide as the wider output; ``zsmem`` (with
+    ``dlog``, DLOG 3): one S copy and one Z copy."""
     c = CHUNK_KERNEL
-    copies = 1 if kmax == 256 else 2
+    copies = 1 if kmax == 256 or zsmem else 2
     if wg:  # 128-byte-swizzled tiles without padding, output-row buffers (rows padded by 16
         # bytes), + slack to align the base to 1024 bytes
         x = c * bv if dlog or dual else 0
@@ -238,8 +246,10 @@ def config_smem(config: tuple) -> int:
     """Dynamic shared memory of a :func:`kernel_config` template, either kernel."""
     if _is_f32(config):
         return f32_smem_bytes(config[1], config[2], config[3])
-    return smem_bytes(config[1], config[2], config[5], len(config) > 6 and config[6], fwd_stages(config),
-                      len(config) > 8 and config[8])
+    dual = len(config) > 8 and config[8]
+    dlog = len(config) > 6 and config[6]
+    return smem_bytes(config[1], config[2], config[5], bool(dlog) and not dual, fwd_stages(config), dual,
+                      dlog is not True and dlog == 3 and not dual)
 
 
 def fwd_stages(config: tuple) -> int:
@@ -353,7 +363,11 @@ class Overrides:
     states pass takes its Hopper instance (tensor copies and wgmma) where it can
     (:func:`states_tma`), or always cp.async and mma.sync. ``fused_dk_dv``: the backward's dk and
     dv passes as one walk (:func:`fuses_dk_dv`): True wherever it can, False never, None the
-    heuristic."""
+    heuristic. ``dlog_split``: a trainable decay's dlog(gamma) by the Z split
+    (:func:`rtkernels.methods.chunk.decay_grad.z_split_applies`): False never, True wherever it
+    applies, None where its dq pass is 128 wide. ``dlog_wide``: the Z split's dq pass with 128-wide value tiles, Z kept only in its
+    16-bit copy (bf16; :func:`dlog_config` with ``wide``): False never, True wherever it exists,
+    None where the 64-wide pass would need two waves (:func:`dlog_launch`)."""
 
     segments: Optional[int] = None
     wgmma: Optional[bool] = None
@@ -363,6 +377,8 @@ class Overrides:
     stages: Optional[int] = None
     tensor_copies: bool = True
     fused_dk_dv: Optional[bool] = None
+    dlog_split: Optional[bool] = None
+    dlog_wide: Optional[bool] = None
 
     @property
     def steers_plan(self) -> bool:
@@ -563,25 +579,32 @@ def packed_launch(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: i
 
 @functools.lru_cache(maxsize=256)
 def dlog_launch(dtype: torch.dtype, dk: int, dv: int, bh: int, n: int, dev: int,
-                overrides: Overrides = Overrides()) -> Launch:
+                overrides: Overrides = Overrides(), zsplit: bool = False) -> Launch:
     """The launch of the dq pass that also sums dlog(gamma) (:func:`dlog_config`'s instance, which
     must exist for ``dtype`` and ``dk``), ``bh`` CTA rows of ``n`` tokens and ``dv`` value columns in
     tiles of 64: split into segments as the forward is (:func:`segments_for`, one CTA per SM;
     ``overrides.segments`` wins), the states pass then carrying W beside S
-    (:func:`states_config` with ``dlog``)."""
-    nseg = overrides.segments or segments_for(bh * -(-dv // 64), n, _sm_count(dev), 1)
-    return _launch_of(dlog_config(dtype, dk, True), split(n, nseg)[1])
+    (:func:`states_config` with ``dlog``). ``zsplit``: the Z form, in one segment (segments would
+    need the states pass to carry Z); in bf16 with 64 < Dv <= 128 its 128-wide instance (DLOG 3)
+    where the 64-wide one would need more than one wave of CTAs (2 ``bh`` > SMs), and
+    ``overrides.dlog_wide`` is not False (True: wherever it exists)."""
+    sms = _sm_count(dev)
+    nseg = 1 if zsplit else overrides.segments or segments_for(bh * -(-dv // 64), n, sms, 1)
+    wide = (zsplit and overrides.dlog_wide is not False and dtype == torch.bfloat16 and 64 < dv <= 128
+            and (overrides.dlog_wide or 2 * bh > sms))
+    return _launch_of(dlog_config(dtype, dk, True, zsplit, wide), split(n, nseg)[1])
 
 
 @functools.lru_cache(maxsize=256)
 def dual_launch(dtype: torch.dtype, dk: int, dv: int, bh: int, n: int, dev: int,
-                overrides: Overrides = Overrides()) -> Launch:
+                overrides: Overrides = Overrides(), zsplit: bool = False) -> Launch:
     """The launch of the backward's fused dk and dv pass (:func:`dual_config`'s instance, which must
     exist for these arguments) over ``bh`` CTA rows of ``n`` tokens, one CTA per (batch, head) and
     segment: split as the forward is (:func:`segments_for`, one CTA per SM; ``overrides.segments``
-    wins), the segments folding the dedicated states pass's slots."""
+    wins), the segments folding the dedicated states pass's slots. ``zsplit``: the instance that also
+    sums the Z split's terms of dlog(gamma)."""
     nseg = overrides.segments or segments_for(bh, n, _sm_count(dev), 1)
-    return _launch_of(dual_config(dtype, dk, dv, True), split(n, nseg)[1])
+    return _launch_of(dual_config(dtype, dk, dv, True, zsplit), split(n, nseg)[1])
 
 
 def fuses_dk_dv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, dk: torch.Tensor,
