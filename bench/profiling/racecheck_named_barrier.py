@@ -9,8 +9,8 @@ accesses are ordered by barrier 0 in every case but the planted race.
 Cases: 0 no other barrier; 1 the readers also meet at barrier 3 (128 threads) before reading;
 2 as 1, and the writers meet at barrier 4 at the same point of their period; 3 the readers meet on
 an mbarrier instead; 4 as 2, plus a write that truly races with the reads (must be reported).
-On an H100 with CUDA 13.0's tool (2026-11-27): 0 clean, 1 reported (6,912 hazards), 2 clean,
-3 clean, 4 reported (8,192).
+On an H100 with CUDA 13.0's tool (2026-11-27): 0 clean, 1 reported (4 races; 6,912 byte hazards
+with --racecheck-report hazard), 2 clean, 3 clean, 4 reported (1 race; 8,192 byte hazards).
 """
 import re
 import subprocess

@@ -9,12 +9,13 @@ result in rtkernels' kernel cache (:mod:`rtkernels.jit.kernel_cache`).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 from .sources import load_source
 
 __all__ = ["BASE_OPTIONS", "KernelCompileError", "CompiledProgram", "compile_offline", "nvrtc_version",
-           "nvrtc_archs"]
+           "nvrtc_archs", "whole_cubin"]
 
 #: NVRTC options of every rtkernels compile (the architecture is added per route).
 BASE_OPTIONS: tuple[str, ...] = ("-std=c++17",)
@@ -57,6 +58,24 @@ def nvrtc_archs() -> tuple[int, ...]:
     return tuple(int(x) for x in nvrtc.getSupportedArchs())
 
 
+def whole_cubin(image: bytes) -> bytes:
+    """``image`` with the last byte that CuPy's ``nvrtc.getCUBIN`` drops put back (a zero).
+
+    CuPy treats the cubin like PTX text and strips what it takes for a NUL terminator, so its
+    image is one byte short of ``nvrtcGetCUBINSize``. The driver still loads it (the byte dropped
+    is the top byte of the last header table's last 64-bit field, 0, and a Python ``bytes`` ends
+    in a NUL), but nvdisasm and cuobjdump reject the file. An ELF64 image that is exactly one
+    byte short of the end of its section or program header table gets the zero back; anything
+    else is returned as it is.
+    """
+    if len(image) < 64 or image[:5] != b"\x7fELF\x02":
+        return image
+    phoff, shoff = struct.unpack_from("<QQ", image, 32)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<4H", image, 54)
+    end = max(phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return image + b"\0" if end == len(image) + 1 else image
+
+
 def compile_offline(
     source: str, name_expressions: list[str] | tuple[str, ...], arch: str = "sm_90",
     extra_options: tuple[str, ...] = (),
@@ -86,7 +105,7 @@ def compile_offline(
             ptx = nvrtc.getPTX(prog)
             cubin = (ptx.encode() if isinstance(ptx, str) else bytes(ptx)).rstrip(b"\0") + b"\0"
         else:
-            cubin = nvrtc.getCUBIN(prog)
+            cubin = whole_cubin(bytes(nvrtc.getCUBIN(prog)))
     finally:
         nvrtc.destroyProgram(prog)
     return CompiledProgram(source, arch, bytes(cubin), lowered, log)
