@@ -156,16 +156,17 @@ def _forward(q, k, v, method, what, precision=None, state=False, decay=None):
     _check(got, q, k, v, what, **kw)
 
 
-def _train(q, k, v, what, precision=None, decay_grad=False, state=True):
+def _train(q, k, v, what, precision=None, decay_grad=False, state=True, initial=True):
     """Forward and backward through the chunk kernel (the kernel backward: three passes, two of
-    them reversed; with ``decay_grad`` the dlog(gamma) kernel and its sum), gradients checked."""
+    them reversed; with ``decay_grad`` the dlog(gamma) kernel and its sum), gradients checked.
+    ``state``: the final state in the loss, from an initial state unless ``initial`` is False."""
     import rtkernels
 
     torch = _torch()
     b, h, n, dk = q.shape
     dv = v.shape[3]
     leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
-    s0 = (torch.randn(b, h, dk, dv, device="cuda") / 4).requires_grad_(True) if state else None
+    s0 = (torch.randn(b, h, dk, dv, device="cuda") / 4).requires_grad_(True) if state and initial else None
     decay = torch.linspace(0.5, 0.999, h, device="cuda").requires_grad_(decay_grad)
     res = rtkernels.causal_linear_attention(*leaves, decay, method="chunk", initial_state=s0, return_state=state,
                                             fp32_precision=precision)
@@ -181,7 +182,7 @@ def _train(q, k, v, what, precision=None, decay_grad=False, state=True):
     ref_out, ref_fin = ref if state else (ref, None)
     ((ref_out * w.double()).sum() + (ref_fin.sum() if state else 0)).backward()
     pairs = [(x.grad, y.grad) for x, y in zip(leaves, ref_leaves)]
-    if state:
+    if s0 is not None:
         pairs.append((s0.grad, ref_s0.grad))
     if decay_grad:
         pairs.append((decay.grad, ref_decay.grad))
@@ -369,6 +370,11 @@ def _drive_dq_dlog() -> Optional[str]:
             _train(*_qkv(1, 2, 1000, 72, 128, dt), f"dlog in dq pass, 2 segments, final state {dt}",
                    decay_grad=True)
         _train(*_qkv(2, 3, 65, 128, 96, dt), f"dlog in dq pass, final state {dt}", decay_grad=True)
+    # the Z split with its 128-wide dq pass (DLOG 3, bf16; no initial state), and its fused dk/dv pass
+    with chunk.override(dlog_wide=True, fused_dk_dv=True, segments=1):
+        _train(*_qkv(1, 2, 200, 128, 128, torch.bfloat16), "Z dq pass 128 wide", decay_grad=True, state=False)
+        _train(*_qkv(1, 2, 65, 128, 128, torch.bfloat16), "Z dq pass 128 wide, final state", decay_grad=True,
+               initial=False)
     return None
 
 
@@ -533,7 +539,8 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
     "decay-grad-f32": (_drive_decay_grad_f32, "chunk/decay_grad_f32.cu (exact and tf32; BV 32 and 64, row slices, "
                                               "KMAX 64, 128, 256, element loader) + chunk/decay_grad_sum.cu"),
     "dq-dlog": (_drive_dq_dlog, "chunk/fwd16.cu DLOG (dlog(gamma) in the backward's dq pass, bf16 and fp16 wgmma; one "
-                                "segment, three, two of two slots, with chunk/states.cu DLOG) + chunk/decay_grad_sum.cu"),
+                                "segment, three, two of two slots, with chunk/states.cu DLOG; the Z split's 128-wide "
+                                "pass and its DUAL dk/dv pass) + chunk/decay_grad_sum.cu"),
     "large-heads": (_drive_large_heads, "chunk kernels at Dk 200-256, Dv 320-512: key pieces and one pass, "
                                         "forward, backward, dlog(gamma)"),
     "scan": (lambda: _drive_method("scan"), "scan.cu, KMAX 32-256, fp32/fp16/bf16"),
