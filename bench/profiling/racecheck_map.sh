@@ -20,7 +20,10 @@ dis=$(command -v nvdisasm || ls /usr/local/cuda*/bin/nvdisasm 2>/dev/null | head
 for meta in "$RTKERNELS_CACHE_DIR"/kernels/*.json; do
   key=$(basename "$meta" .json)
   grep -qF "$KERNEL" "$meta" || continue
-  "$dis" -c "${meta%.json}.bin" > "$out/$key.sass" 2>&1
+  # (an image cached before 36af34f lacks the cubin's last byte, which nvdisasm needs: whole_cubin)
+  python3 -c 'import sys; from rtkernels.jit.compiler import whole_cubin
+sys.stdout.buffer.write(whole_cubin(open(sys.argv[1], "rb").read()))' "${meta%.json}.bin" > "$out/$key.cubin"
+  "$dis" -c "$out/$key.cubin" > "$out/$key.sass" 2>&1
   for pc in $(grep -oE "\+0x[0-9a-f]+" "$out/racecheck.txt" | sort -u); do
     off=$(printf "%04x" "$((16#${pc#+0x}))")
     { echo "== $key $pc"; grep -B6 -A6 "/\*$off\*/" "$out/$key.sass"; } >> "$out/map.txt"
