@@ -17,6 +17,10 @@ template <int A, int B> __device__ __forceinline__ void rtk_frag_copy(float (&ds
     for (int j = 0; j < B; ++j) dst[i][j] = src[i][j];
 }
 
+// NaN semantics of rtk_chunk_fwd: a dense P V product would multiply the zeros above the diagonal
+// of P with a NaN in a later row of v. So when a chunk's v holds a non-finite value, the operand of
+// P V has it zeroed and the outputs the causal sum reaches are set to NaN here. The state update
+// uses v as it is, so later chunks see the NaN through S.
 // Rare (a chunk's v holds Inf/NaN): set to NaN the outputs of warp rows r0 .. r0+15 that a
 // non-finite v_s reaches (rows t >= s of the same column); bad(s, c) is true (nonzero) where
 // v_s[c] is one.

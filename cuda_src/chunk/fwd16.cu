@@ -21,10 +21,7 @@
 // and the 16 x 16 diagonal block uses gamma^(t-s) directly, with the causal mask as a select.
 // For fp16 the state copy is scaled by a power of two chosen from max|S| so it cannot overflow.
 //
-// NaN semantics: a dense P V product would multiply the zeros above the diagonal of P with a
-// NaN in a later row of v. So when a chunk's v holds a non-finite value, the operand of P V has
-// it zeroed and the outputs the causal sum reaches (rows t >= s, same column) are set to NaN.
-// The state update uses v as it is, so later chunks see the NaN through S.
+// NaN in, NaN out: see rtk_chunk_mark_nonfinite (chunk/epilogue.cuh).
 //
 // DUAL (the backward's dk and dv passes fused: q = k of the forward, k = its q, v = dL/do, x = its v,
 // read with v's strides; wgmma, one value tile holding all of Dv): after the chunk's rows of o (dv)
