@@ -42,3 +42,35 @@ def assert_replays_like_eager(step: Callable[[], tuple], change: Callable[[], No
     for a, b in zip(captured, eager):
         assert torch.equal(a, b)
     return eager
+
+
+def assert_training_step_replays(shape: tuple[int, int, int, int], seed: int, decay: torch.Tensor,
+                                 new_decay: torch.Tensor,
+                                 inspect: Callable[..., None] | None = None) -> tuple:
+    """:func:`assert_replays_like_eager` for a bf16 chunk training step with a trainable CUDA
+    ``decay``: q, k, v of ``shape`` (B, H, N, D) and the output's gradient drawn from ``seed``, the
+    gradients of q, k, v and the decay computed; before the replay, new q, k, v and the decay's
+    values ``new_decay``. ``inspect(q, k, v, grad)`` runs first (a check of the plan)."""
+    import rtkernels
+
+    b, h, n, d = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def draw() -> torch.Tensor:
+        return torch.randn(b, h, n, d, generator=gen, device="cuda").div_(d ** 0.5).bfloat16()
+
+    leaves = [draw().requires_grad_() for _ in range(3)]
+    grad = draw()
+    if inspect is not None:
+        inspect(*leaves, grad)
+
+    def step() -> tuple:
+        out = rtkernels.causal_linear_attention(*leaves, decay, method="chunk")
+        return torch.autograd.grad((out.float() * grad.float()).sum(), (*leaves, decay))
+
+    def change() -> None:
+        for x in leaves:
+            x.copy_(draw())
+        decay.copy_(new_decay)
+
+    return assert_replays_like_eager(step, change)

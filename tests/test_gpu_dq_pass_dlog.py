@@ -14,7 +14,7 @@ import torch
 import rtkernels
 import rtkernels.methods.chunk.backward as kb
 from rtkernels.decay import LogDecay
-from graphs import assert_replays_like_eager
+from graphs import assert_training_step_replays
 from rtkernels.methods.chunk import decay_grad, plan
 from test_gpu_decay_grad import F64, GAMMAS, SCALE, _inputs, _log_decay, _want
 from tolerances import REL_FRO
@@ -174,25 +174,16 @@ def test_wide_z_pass_by_default_is_sync_free_and_replays_in_a_cuda_graph():
     with its 128-wide dq pass unforced; a training step with a trainable CUDA decay then makes no
     host sync, and forward plus backward captured in a CUDA graph replay equal to eager."""
     b, h, n, d = 4, 32, 4096, 128
-    gen = torch.Generator(device="cuda").manual_seed(8)
-    draw = lambda: torch.randn(b, h, n, d, generator=gen, device="cuda").div_(d ** 0.5).bfloat16()  # noqa: E731
-    leaves = [draw().requires_grad_() for _ in range(3)]
+
+    def takes_the_wide_pass(q, k, v, grad):
+        assert decay_grad.z_split_applies(q, k, v, grad) is not None
+        launch = plan.dlog_launch(BF16, d, d, b * h, n, q.device.index, plan.current_overrides(), True)
+        assert launch.bv == 128 and launch.name.endswith(", 3>")
+
     decay = (1 - torch.exp(torch.linspace(-3.5, -6.2, h, device="cuda"))).requires_grad_()
-    grad = draw()
-    assert decay_grad.z_split_applies(*leaves, grad) is not None
-    launch = plan.dlog_launch(BF16, d, d, b * h, n, leaves[0].device.index, plan.current_overrides(), True)
-    assert launch.bv == 128 and launch.name.endswith(", 3>")
-
-    def step():
-        out = rtkernels.causal_linear_attention(*leaves, decay, method="chunk")
-        return torch.autograd.grad((out.float() * grad.float()).sum(), (*leaves, decay))
-
-    def change():
-        for x in leaves:
-            x.copy_(draw())
-        decay.copy_(1 - torch.exp(torch.linspace(-2.5, -7.0, h, device="cuda")))
-
-    eager = assert_replays_like_eager(step, change)
+    eager = assert_training_step_replays((b, h, n, d), 8, decay,
+                                         1 - torch.exp(torch.linspace(-2.5, -7.0, h, device="cuda")),
+                                         takes_the_wide_pass)
     assert all(bool(torch.isfinite(g).all()) for g in eager)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rtkernels
-from graphs import assert_replays_like_eager
+from graphs import assert_training_step_replays
 from inputs import force_chunk
 from rtkernels.methods.chunk import plan
 
@@ -136,23 +136,8 @@ def test_fused_step_has_no_host_sync_and_replays_in_a_cuda_graph(monkeypatch):
     and forward plus backward captured in a CUDA graph replay equal to eager on new values."""
     force_chunk(monkeypatch, fused_dk_dv=True)
     seen = _spy(monkeypatch)
-    b, h, n, d = 2, 4, 1000, 128
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    draw = lambda: torch.randn(b, h, n, d, generator=gen, device="cuda").div_(d ** 0.5).bfloat16()  # noqa: E731
-    leaves = [draw().requires_grad_() for _ in range(3)]
     decay = torch.tensor([0.5, 0.9, 0.99, 1.0], device="cuda", requires_grad=True)
-    grad = draw()
-
-    def step():
-        out = rtkernels.causal_linear_attention(*leaves, decay, method="chunk")
-        return torch.autograd.grad((out.float() * grad.float()).sum(), (*leaves, decay))
-
-    def change():
-        for x in leaves:
-            x.copy_(draw())
-        decay.copy_(torch.tensor([0.3, 0.95, 0.999, 1.0]))
-
-    assert_replays_like_eager(step, change)
+    assert_training_step_replays((2, 4, 1000, 128), 6, decay, torch.tensor([0.3, 0.95, 0.999, 1.0], device="cuda"))
     assert seen and all(seen)
 
 

@@ -249,7 +249,7 @@ def config_smem(config: tuple) -> int:
     dual = len(config) > 8 and config[8]
     dlog = len(config) > 6 and config[6]
     return smem_bytes(config[1], config[2], config[5], bool(dlog) and not dual, fwd_stages(config), dual,
-                      dlog is not True and dlog == 3 and not dual)
+                      dlog == 3 and not dual)
 
 
 def fwd_stages(config: tuple) -> int:
