@@ -37,3 +37,37 @@ def test_short_calls_repeat_more_unless_reps_is_given():
     calls.clear()
     res = timing.time_calls([lambda: calls.append(1)], torch.device("cpu"), 3)
     assert res[0]["reps"] == 3 and len(calls) == 2 + 3
+
+
+def test_a_run_stopped_after_its_first_case_leaves_that_case_table(tmp_path, monkeypatch):
+    """The bench rewrites its table after each (shape, dtype) case, so a run cut short from outside
+    (a time limit during a slow peer's compile) keeps what it measured."""
+    real, seen = harness.run_case, []
+
+    def stop_at_second(case, dt, *args):
+        if seen:
+            raise KeyboardInterrupt  # what a time limit's signal would do mid-run
+        seen.append((case.label, dt))
+        return real(case, dt, *args)
+
+    monkeypatch.setattr(harness, "run_case", stop_at_second)
+    argv = ["--quick", "--impls", "rtkernels", "--methods", "chunk", "--shapes", "small", "--dtypes", "fp32", "bf16",
+            "--no-jit", "--reps", "2", "--out", str(tmp_path)]
+    try:
+        harness.main(argv)
+    except KeyboardInterrupt:
+        pass
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert doc["partial"] == {"cases_done": 1, "cases": 2}
+    assert [(r["shape"], r["dtype"]) for r in doc["rows"]] == seen and doc["rows"][0].get("ms")
+    md = (tmp_path / "bench.md").read_text()
+    assert md.startswith("Partial: 1 of 2") and f"| small | {seen[0][1]} |" in md
+
+
+def test_a_finished_run_is_not_marked_partial(tmp_path):
+    argv = ["--quick", "--impls", "rtkernels", "--methods", "chunk", "--shapes", "small", "--dtypes", "fp32", "bf16",
+            "--no-jit", "--reps", "2", "--out", str(tmp_path)]
+    assert harness.main(argv) == 0
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert "partial" not in doc and len(doc["rows"]) == 2
+    assert not (tmp_path / "bench.md").read_text().startswith("Partial")

@@ -512,10 +512,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         env["jit"] = jit.measure(device.type == "cuda")
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
     cases = make_cases(args.shapes, args.dtypes, args.quick)
-    rows = [row for case in cases for dt in case.dtypes for row in run_case(case, dt, impls, device, args, reps, flush)]
     shapes = {c.label: c.dims_text for c in cases}
+    given = {k: str(v) for k, v in vars(args).items()}
+    todo = [(case, dt) for case in cases for dt in case.dtypes]
+    rows: list[dict[str, Any]] = []
+    for i, (case, dt) in enumerate(todo, 1):
+        rows += run_case(case, dt, impls, device, args, reps, flush)
+        if i < len(todo):  # a run stopped from outside (a slow peer's compile, a time limit) leaves these
+            report.write(args.out, env, rows, shapes, given, partial=(i, len(todo)))
     env["scaling_1m_over_128k"] = scaling(rows)
-    print(report.write(args.out, env, rows, shapes, {k: str(v) for k, v in vars(args).items()}))
+    print(report.write(args.out, env, rows, shapes, given))
     for impl, ratio in env["scaling_1m_over_128k"].items():
         print(f"time(1M) / time(128K), {impl}: {ratio:.2f} (8 = linear)")
     print(f"wrote {args.out / 'bench.json'} and {args.out / 'bench.md'}")

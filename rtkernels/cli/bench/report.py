@@ -205,13 +205,21 @@ def plot(rows: list[Row], path: Path) -> str:
     return f"plot: {path}"
 
 
-def write(out_dir: Path, env: dict[str, Any], rows: list[Row], shapes: dict[str, str], args: dict[str, Any]) -> str:
-    """Write bench.json, bench.md and bench.png under ``out_dir``; return the Markdown."""
+def write(out_dir: Path, env: dict[str, Any], rows: list[Row], shapes: dict[str, str], args: dict[str, Any],
+          partial: Optional[tuple[int, int]] = None) -> str:
+    """Write bench.json, bench.md and bench.png under ``out_dir``; return the Markdown.
+    ``partial`` = (done, total): the run has finished ``done`` of its ``total`` (shape, dtype)
+    cases; the files say so (``"partial"`` in the JSON, a first line in the Markdown) and the plot
+    waits for the end."""
     out_dir.mkdir(parents=True, exist_ok=True)
     add_derived(rows, env)
-    env["plot"] = plot(rows, out_dir / "bench.png")
-    (out_dir / "bench.json").write_text(json.dumps({"environment": env, "args": args, "rows": rows},
-                                                   indent=1, default=str))
-    md = markdown(rows, env, shapes) + f"\n{env['plot']}\n"
+    env["plot"] = "plot: at the end of the run" if partial else plot(rows, out_dir / "bench.png")
+    doc = {"environment": env, "args": args, "rows": rows}
+    if partial:
+        doc["partial"] = {"cases_done": partial[0], "cases": partial[1]}
+    (out_dir / "bench.json").write_text(json.dumps(doc, indent=1, default=str))
+    head = (f"Partial: {partial[0]} of {partial[1]} (shape, dtype) cases done; the run was still going or was "
+            f"stopped.\n\n" if partial else "")
+    md = head + markdown(rows, env, shapes) + f"\n{env['plot']}\n"
     (out_dir / "bench.md").write_text(md)
     return md
