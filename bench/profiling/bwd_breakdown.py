@@ -4,7 +4,10 @@ per step, then per step the span from the first kernel to the last, the kernels'
 the GPU's idle gaps over 5 us with the kernels around them. ``--flush``: overwrite 256 MB before
 each step (the L2 evicted, as the bench times a call).
 
-    python bench/profiling/bwd_breakdown.py [small|mid|long] [--trainable] [--flush]
+    python bench/profiling/bwd_breakdown.py [small|mid|long] [--trainable] [--flush] [--dtype fp16|fp32|tf32]
+
+``--dtype``: the inputs' dtype (bf16 unless given); ``tf32`` is float32 with fp32_precision="tf32",
+``fp32`` float32 in the "exact" mode.
 """
 import sys
 
@@ -16,10 +19,13 @@ from rtkernels.cli.bench.harness import SHAPES
 
 name = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in ("small", "mid", "long") else "mid"
 trainable, flush = "--trainable" in sys.argv, "--flush" in sys.argv
+dname = sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "bf16"
+dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32}[dname]
+precision = "tf32" if dname == "tf32" else "exact"
 b, h, n, d = SHAPES[name][0][:4]
-leaves = [torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+leaves = [torch.randn(b, h, n, d, device="cuda", dtype=dtype).requires_grad_() for _ in range(3)]
 decay = (1 - torch.exp(torch.linspace(-3.5, -6.2, h, device="cuda"))).requires_grad_(trainable)
-do = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
+do = torch.randn(b, h, n, d, device="cuda", dtype=dtype)
 # filled before each step: 256 MB (the flush) or one byte, a fill kernel that marks where a step starts
 scratch = torch.empty(256 << 20 if flush else 1, dtype=torch.uint8, device="cuda")
 STEPS = 10
@@ -29,7 +35,7 @@ def step():
     for x in leaves:
         x.grad = None
     decay.grad = None
-    rtkernels.causal_linear_attention(*leaves, decay, method="chunk").backward(do)
+    rtkernels.causal_linear_attention(*leaves, decay, method="chunk", fp32_precision=precision).backward(do)
 
 
 for _ in range(5):
@@ -41,7 +47,7 @@ with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.cuda.synchronize()
         step()
         torch.cuda.synchronize()
-print(f"{name} {(b, h, n, d)} trainable={trainable} flush={flush}: per step")
+print(f"{name} {(b, h, n, d)} {dname} trainable={trainable} flush={flush}: per step")
 kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
 steps: list[list] = []
 for e in kernels:
