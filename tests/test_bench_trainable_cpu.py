@@ -39,6 +39,10 @@ def test_short_calls_repeat_more_unless_reps_is_given():
     assert res[0]["reps"] == 3 and len(calls) == 2 + 3
 
 
+#: a --quick run of two (shape, dtype) cases
+TWO_CASES = ("--quick", "--impls", "rtkernels", "--methods", "chunk", "--shapes", "small", "--dtypes", "fp32", "bf16",
+             "--no-jit", "--reps", "2")
+
 def test_a_run_stopped_after_its_first_case_leaves_that_case_table(tmp_path, monkeypatch):
     """The bench rewrites its table after each (shape, dtype) case, so a run cut short from outside
     (a time limit during a slow peer's compile) keeps what it measured."""
@@ -51,8 +55,7 @@ def test_a_run_stopped_after_its_first_case_leaves_that_case_table(tmp_path, mon
         return real(case, dt, *args)
 
     monkeypatch.setattr(harness, "run_case", stop_at_second)
-    argv = ["--quick", "--impls", "rtkernels", "--methods", "chunk", "--shapes", "small", "--dtypes", "fp32", "bf16",
-            "--no-jit", "--reps", "2", "--out", str(tmp_path)]
+    argv = [*TWO_CASES, "--out", str(tmp_path)]
     try:
         harness.main(argv)
     except KeyboardInterrupt:
@@ -65,8 +68,7 @@ def test_a_run_stopped_after_its_first_case_leaves_that_case_table(tmp_path, mon
 
 
 def test_a_finished_run_is_not_marked_partial(tmp_path):
-    argv = ["--quick", "--impls", "rtkernels", "--methods", "chunk", "--shapes", "small", "--dtypes", "fp32", "bf16",
-            "--no-jit", "--reps", "2", "--out", str(tmp_path)]
+    argv = [*TWO_CASES, "--out", str(tmp_path)]
     assert harness.main(argv) == 0
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert "partial" not in doc and len(doc["rows"]) == 2
