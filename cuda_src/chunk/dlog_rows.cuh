@@ -66,15 +66,14 @@ __device__ __forceinline__ float rtk_dlog_intra(const float (&p)[8][4], const fl
 }
 
 // DLOG 3: Z kept only as its 16-bit copy sZ, laid out as the state copy sS (KMAX x BV, 128-byte
-// swizzled, rtk_chunk_smem::s_off). Z <- carry (Z + m S) is elementwise, so the output warps
-// (thread t of 128) split the entries in 16-byte pieces, and each piece of Z is only ever touched by
-// its one thread (zeroed, stepped, dotted with G) besides the warpgroup's wgmma reads: after a
-// barrier of the four (all have waited for their q Z wgmma), and before a proxy fence (the next
-// period's wgmma reads Z).
+// swizzled, rtk_chunk_smem::s_off). Z <- carry (Z + m S) is elementwise: the state warps (thread t
+// of 128) step it once per period from the copy of S the output warps used, after their own copy
+// store and after the output warps have arrived at barrier 3 (their q Z wgmma has landed), then
+// fence the async proxy (the next period's wgmma reads Z).
 template <int DT, int KMAX, int BV>
 __device__ __forceinline__ void rtk_zcopy_step(const rtk_u16* sS, rtk_u16* sZ, float carry, int m, int t) {
-  rtk_named_sync(3, 128);
-  #pragma unroll 4
+  rtk_named_sync(3, 256);
+  #pragma unroll 1
   for (int i = t; i < KMAX * BV / 8; i += 128) {
     const uint4 sv = reinterpret_cast<const uint4*>(sS)[i];
     uint4 zv = reinterpret_cast<const uint4*>(sZ)[i];
@@ -114,14 +113,42 @@ __device__ __forceinline__ float rtk_zcopy_dot(const rtk_u16* sZ, int t, const f
 }
 
 // The state warps' barrier of their own (4, the 4 warps), once per chunk period, matching the output
-// warps' barrier 3 in rtk_zcopy_step. It orders nothing: compute-sanitizer's racecheck counts every
-// barrier a thread passes as one CTA-wide step, so with barrier 3 alone the two groups' counts drift
-// apart and it reports the one-copy hand-over (ordered by barrier 0) as hazards. With both, its check
-// stays exact (bench/profiling/racecheck_named_barrier.py shows both cases and a planted true race).
+// warps' barrier 5 (rtk_dlog_x_ready). It orders nothing: compute-sanitizer's racecheck counts every
+// barrier a thread passes as one CTA-wide step, so with barrier 5 alone the two groups' counts drift
+// apart and it reports accesses that barrier 0 orders as hazards. With both, its check stays exact
+// (bench/profiling/racecheck_named_barrier.py shows both cases and a planted true race).
 __device__ __forceinline__ void rtk_zcopy_state_sync() { rtk_named_sync(4, 128); }
 
-// Z_0 = 0 over thread t's pieces (as rtk_zcopy_step splits them), before the CTA barriers that
-// precede the first read.
+// DLOG 3's x tile lives outside the stages, one buffer (shared memory then holds two S copies): the
+// 128 output threads t load chunk rows n0 .. lim - 1 of x (row step x_sn, the tile's columns < dv;
+// the rest zero-filled) at the start of the period, after the CTA barrier that ends the reads of the
+// previous chunk's, into dst laid out as v (off); the state warps have brought the rows into L2 a
+// period earlier (rtk_dlog_x_prefetch). rtk_dlog_x_ready: the pieces of all four warps are in.
+template <int C, int BV, int VS, class Off>
+__device__ __forceinline__ void rtk_dlog_x_copy(rtk_u32 dst, const rtk_u16* x, rtk_i64 x_sn, int n0, int lim, int dv,
+                                                int t, Off off) {
+  constexpr int PIECES = BV / 8, ROWS = 128 / PIECES;
+  const int col = (t % PIECES) * 8, row = t / PIECES, bytes = max(0, min(16, (dv - col) * 2));
+  dst += 2 * off(row, t % PIECES);
+  #pragma unroll
+  for (int u = 0; u < C / ROWS; ++u) {
+    const int r = n0 + row + u * ROWS;
+    rtk_cp_async16(dst + 2 * u * ROWS * VS, r < lim ? (const void*)(x + (rtk_i64)r * x_sn + (bytes ? col : 0)) : x,
+                   r < lim ? bytes : 0);
+  }
+  rtk_cp_async_commit();
+}
+__device__ __forceinline__ void rtk_dlog_x_ready() {
+  rtk_cp_async_wait<0>();
+  rtk_named_sync(5, 128);
+}
+// An L2 prefetch of chunk rows n0 .. lim - 1 of x (256 bytes each, two lines a row) by state thread st.
+__device__ __forceinline__ void rtk_dlog_x_prefetch(const rtk_u16* x, rtk_i64 x_sn, int n0, int lim, int st) {
+  const int r = n0 + (st >> 1);
+  if (r < lim) asm volatile("prefetch.global.L2 [%0];" ::"l"(x + (rtk_i64)r * x_sn + 64 * (st & 1)));
+}
+
+// Z_0 = 0 over thread t's pieces, before the CTA barriers that precede the first read.
 template <int KMAX, int BV>
 __device__ __forceinline__ void rtk_zcopy_zero(rtk_u16* sZ, int t) {
   for (int i = t; i < KMAX * BV / 8; i += 128) reinterpret_cast<uint4*>(sZ)[i] = make_uint4(0u, 0u, 0u, 0u);

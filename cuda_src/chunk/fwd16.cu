@@ -131,9 +131,10 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       ld.template copy<C, KS, VS>(rtk_smem_addr(sQ + L::qk_off(ld.qrow, ld.qcol >> 3)),
                                   rtk_smem_addr(sK + L::qk_off(ld.qrow, ld.qcol >> 3)),
                                   rtk_smem_addr(sV + L::v_off(vrow, vcol >> 3)), n0, lim, !states_only);
-      if (DQ_DLOG || DUAL)
+      if ((DQ_DLOG && !ZSMEM) || DUAL)
         ld.template copy_tile<C, VS>(rtk_smem_addr(sm + stage * L::STAGE + L::X + L::v_off(vrow, vcol >> 3)), x_first,
                                      xb, n0, lim);
+      else if (ZSMEM) rtk_dlog_x_prefetch(xb, v_sn, n0, lim, st);
     } else {
       for (int e = st; e < C * KMAX; e += 128) {
         const int r = e / KMAX, col = e - r * KMAX;
@@ -273,7 +274,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         };
         rtk_wg_fence();
         if constexpr (DQ_DLOG) {  // q W, then q k^T (W: and x v^T), then q S: W's term is summed (registers freed) first
-          const rtk_u16* sX = sm + stage * L::STAGE + L::X;
+          const rtk_u16* sX = sm + (ZSMEM ? L::XB : stage * L::STAGE + L::X);  // ZSMEM: one x tile, loaded here
+          if constexpr (ZSMEM) rtk_dlog_x_copy<C, BV, VS>(rtk_smem_addr(sX), xb, v_sn, n0, n0 + len, dv_here, tid, voff);
           const unsigned long long dx = rtk_wg_desc(rtk_smem_addr(sX), 16, 1024), dvk = rtk_wg_desc(sV_addr, 16, 1024);
           float xv[32];  // x v^T (W only: Z's intra-chunk term is the dk/dv pass's)
           {
@@ -283,14 +285,14 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
             #pragma unroll
             for (int ks = 0; ks < (WFORM ? BV / 16 : 0); ++ks) rtk_wgmma_ss<DT, 0>(xv, rtk_desc_at(dx, kmaj(ks)), rtk_desc_at(dvk, kmaj(ks)), ks);
             rtk_wg_commit();
+            if constexpr (ZSMEM) rtk_dlog_x_ready();
             rtk_wg_wait<1>();
+            if constexpr (ZSMEM) rtk_named_arrive(3, 256);  // q Z has read the Z copy: the state warps may step it
             rtk_wg_pin(reinterpret_cast<float (&)[NT * 4]>(wacc));
             dlog_sum += rtk_dlog_rows<DT>(wacc, sX, r0, g, t4, fw_lo, fw_hi, voff);  // x_t . gamma^(t+1) scale q_t W
           }
           rtk_wg_fence();  // o_acc may take wacc's registers
           times_copy(o_acc, sS_addr);
-          if constexpr (ZSMEM)  // Z's step while q S runs (the last weighs S by len - 1, for <G, Z_end>)
-            rtk_zcopy_step<DT, KMAX, BV>(sm + L::S, sm + L::W, rtk_exp2(lg2 * len), len - (chunk + 1 == nchunks), tid);
           rtk_chunk_land<1>(p, o_acc, f_lo, f_hi, [&](float (&pp)[8][4]) {
             scale_scores(pp);
             if constexpr (WFORM) {
@@ -572,6 +574,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       // the copy of S entering chunk c + 1 (its buffer was read in period c - 1, or with one copy in c)
       if constexpr (ZSMEM) rtk_zcopy_state_sync();  // (for racecheck: dlog_rows.cuh)
       next_copy(slot ^ 1, chunk + 1 < nchunks);
+      if constexpr (ZSMEM) rtk_zcopy_step<DT, KMAX, BV>(sm + L::S + slot * L::SCOPY, sm + L::W, carry, zm, tid - 128);
       end_period(chunk + 1);
     }
     const bool ends = mode != RTK_MODE_FOLD || blockIdx.z + 1 == gridDim.z;

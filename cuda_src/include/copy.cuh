@@ -91,6 +91,10 @@ __device__ __forceinline__ void rtk_stsm_x4(rtk_u32 addr, rtk_u32 r0, rtk_u32 r1
 __device__ __forceinline__ void rtk_named_sync(int id, int count) {
   asm volatile("barrier.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
 }
+// Arrive at named barrier id without waiting (the producers' side of a barrier.sync by the others).
+__device__ __forceinline__ void rtk_named_arrive(int id, int count) {
+  asm volatile("barrier.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
 // The whole CTA (barrier 0).
 __device__ __forceinline__ void rtk_cta_sync() { asm volatile("barrier.sync 0;" ::: "memory"); }
 // The whole CTA (barrier 0); returns whether `p` holds in any thread. Call number `phase` (0, 1,

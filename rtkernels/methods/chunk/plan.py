@@ -212,13 +212,13 @@ def smem_bytes(kmax: int, bv: int, wg: bool = False, dlog: bool = False, stages:
     for KMAX 256), and with ``wg`` two buffers of output rows (one where two do not fit beside three
     stages); ``dlog`` (wgmma only): an x tile per stage and two copies of W; ``dual`` (wgmma only):
     an x tile per stage and one buffer of output rows as wide as the wider output; ``zsmem`` (with
-    ``dlog``, DLOG 3): one S copy and one Z copy."""
+    ``dlog``, DLOG 3): two S copies, one Z copy and one x tile outside the stages."""
     c = CHUNK_KERNEL
-    copies = 1 if kmax == 256 or zsmem else 2
+    copies = 1 if kmax == 256 else 2
     if wg:  # 128-byte-swizzled tiles without padding, output-row buffers (rows padded by 16
         # bytes), + slack to align the base to 1024 bytes
-        x = c * bv if dlog or dual else 0
-        w = copies * kmax * bv if dlog else 0
+        x = c * bv if (dlog and not zsmem) or dual else 0
+        w = (kmax * bv + c * bv if zsmem else copies * kmax * bv) if dlog else 0
         head = stages * (2 * c * kmax + c * bv + x) + copies * kmax * bv + w
         fixed = (64 if dlog else 32) + 8 + 1024  # fp16 maxima (of W too with dlog), the OR ring, alignment
         row = (max(kmax, bv) if dual else bv) + 8
