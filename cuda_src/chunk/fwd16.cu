@@ -70,7 +70,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   const bool states_only = mode == RTK_MODE_STATES;
   // DLOG 1 (W) or 2 (Z): the dq pass carries a second state (DQ_DLOG; with DUAL, 2: the split's terms).
   // ZWALK: chunks that end at the last token. DLOG 3 (ZSMEM): Z only as its 16-bit copy, stepped by
-  // the output warps, so that the value tile can be 128 wide (ZREG: W or Z in registers)
+  // the state warps, so that the value tile can be 128 wide (ZREG: W or Z in registers)
   constexpr bool DQ_DLOG = DLOG != 0 && !DUAL, WFORM = DLOG == 1, ZWALK = (DLOG == 2 || DLOG == 3) && !DUAL;
   constexpr bool DUAL_DLOG = DUAL && DLOG == 2, ZSMEM = DLOG == 3 && !DUAL, ZREG = DQ_DLOG && !ZSMEM;
   typedef rtk_chunk_smem<KMAX, BV, WG, DQ_DLOG, STAGES, DUAL, ZSMEM> L;
