@@ -145,23 +145,54 @@ def fake_gpu(monkeypatch):
 
 @pytest.mark.parametrize("exact", [True, False])
 def test_planner_gives_fp32_its_own_kernel(fake_gpu, exact):
-    names = kernel_instances()[chunk.F32_SOURCE]
+    """The exact mode runs rtk_chunk_fwd_f32 (mma.sync); the TF32 mode on aligned rows with Dk <=
+    128 runs rtk_chunk_fwd_tf32 (wgmma, sm_90a), else rtk_chunk_fwd_f32 too."""
+    names = kernel_instances()
     name, bv, nseg, smem, threads, opts = chunk.plan_launch(torch.float32, 128, 128, True, 128, 4096, 0, exact=exact)[:6]
-    assert name == f"rtk_chunk_fwd_f32<128, 64, 2, {str(exact).lower()}, true, 1>" and name in names
-    assert (bv, nseg, smem, threads, opts) == (64, 1, chunk.f32_smem_bytes(128, 64, 2), chunk.f32_threads(exact), ())
-    # few CTAs, long sequence: segments, one wave of one CTA per SM (210 KiB of shared memory each)
+    if exact:
+        assert name == "rtk_chunk_fwd_f32<128, 64, 2, true, true, 1>" and name in names[chunk.F32_SOURCE]
+        assert (bv, nseg, smem, threads, opts) == (64, 1, chunk.f32_smem_bytes(128, 64, 2), chunk.f32_threads(exact), ())
+    else:
+        assert name == "rtk_chunk_fwd_tf32<128, 64>" and name in names[chunk.TF32_WG_SOURCE]
+        assert (bv, nseg, smem, threads, opts) == (64, 1, chunk.tf32_wg_smem_bytes(128, 64), 256, chunk.WGMMA_OPTIONS)
+    # few CTAs, long sequence: segments, one wave of one CTA per SM (210 KiB of shared memory each),
+    # on the mma.sync kernel in both modes (the wgmma kernel's split is slower)
     name, bv, nseg, _, _, opts = chunk.plan_launch(torch.float32, 128, 128, True, 32, 16384, 0, exact=exact)[:6]
     assert name.startswith("rtk_chunk_fwd_f32<") and opts == () and nseg == 132 // 64
-    # KMAX 64, BV 32: two CTAs fit on an SM in the TF32 mode (256 threads); the exact mode's 384 threads
-    # take too many registers for two
-    assert chunk.plan_launch(torch.float32, 64, 32, True, 8, 1 << 16, 0, exact=exact)[2] == (1 if exact else 2) * 132 // 8
+    # forced segments keep the wgmma kernel (its states-only mode)
+    with chunk.override(segments=3):
+        forced = chunk.plan_launch(torch.float32, 128, 128, True, 32, 16384, 0, chunk.current_overrides(), exact=exact)
+    assert forced[0].startswith("rtk_chunk_fwd_f32<" if exact else "rtk_chunk_fwd_tf32<") and forced[2] == 3
+    # unaligned rows in the TF32 mode: the mma.sync kernel
+    name, _, _, _, _, opts = chunk.plan_launch(torch.float32, 128, 128, False, 128, 4096, 0, exact=exact)[:6]
+    assert name == f"rtk_chunk_fwd_f32<128, 64, 2, {str(exact).lower()}, false, 1>" and opts == ()
+    # KMAX 64, BV 32 (mma.sync): two CTAs fit on an SM in the TF32 mode (256 threads); the exact mode's
+    # 384 threads take too many registers for two. Aligned TF32 rows take the wgmma kernel: BV 64, one
+    assert chunk.plan_launch(torch.float32, 64, 32, False, 8, 1 << 16, 0, exact=exact)[2] == (1 if exact else 2) * 132 // 8
+    assert chunk.plan_launch(torch.float32, 64, 32, True, 8, 1 << 16, 0, exact=exact)[:3] == (
+        ("rtk_chunk_fwd_f32<64, 32, 2, true, true, 1>", 32, 132 // 8) if exact else
+        ("rtk_chunk_fwd_f32<64, 32, 2, false, true, 1>", 32, 2 * 132 // 8))
+    # enough CTAs for one segment: the wgmma kernel in the TF32 mode
+    assert chunk.plan_launch(torch.float32, 64, 64, True, 256, 2048, 0, exact=exact)[0] == (
+        "rtk_chunk_fwd_f32<64, 64, 2, true, true, 1>" if exact else "rtk_chunk_fwd_tf32<64, 64>")
+    # Dk 256: the mma.sync kernel in both modes
+    assert chunk.plan_launch(torch.float32, 256, 64, True, 8, 4096, 0, exact=exact)[0].startswith("rtk_chunk_fwd_f32<")
     # the 16-bit plan is unchanged: the wgmma kernel
     bf = chunk.plan_launch(torch.bfloat16, 128, 128, True, 128, 4096, 0)
     assert bf[0].startswith("rtk_chunk_fwd<") and bf[5] == chunk.WGMMA_OPTIONS
 
 
+def test_tf32_wgmma_kernel_fits_and_is_compiled():
+    """rtk_chunk_fwd_tf32's shared memory (mirrors rtk_tf32_smem): two stages of q, k (64 x KMAX) and
+    v^T (64 x 64) fp32 tiles, two fp32 copies of S^T, the OR ring and the alignment slack."""
+    assert chunk.tf32_wg_smem_bytes(128, 64) == 4 * (2 * (2 * 64 * 128 + 64 * 64) + 2 * 64 * 128) + 8 + 1024 == 230408
+    assert chunk.tf32_wg_smem_bytes(128, 64) <= 227 * 1024
+    assert sorted(kernel_instances()[chunk.TF32_WG_SOURCE]) == ["rtk_chunk_fwd_tf32<128, 64>", "rtk_chunk_fwd_tf32<64, 64>"]
+
+
 def test_planner_overrides_for_fp32(fake_gpu, monkeypatch):
-    # no wgmma variant for fp32 (wgmma ignored), and BV follows the shared memory (bv ignored)
+    # the exact mode (and unaligned rows) have no wgmma variant (wgmma ignored), and BV follows the shared
+    # memory (bv ignored)
     force_chunk(monkeypatch, segments=3, wgmma=True, bv=128)
     name, bv, nseg, _, _, opts = chunk.plan_launch(torch.float32, 64, 64, False, 2, 1000, 0, chunk.current_overrides())[:6]
     assert (name, bv, nseg, opts) == ("rtk_chunk_fwd_f32<64, 64, 2, true, false, 1>", 64, 3, ())

@@ -12,7 +12,9 @@ Tolerances (relative Frobenius error ||out - ref|| / ||ref||, and max |out - ref
   relative error <= u = 2^-11 ~ 4.9e-4). An output passes through two rounded products (q k^T,
   then P v, with P rounded again; or q S with S rounded), so its expected relative error is about
   2u ~ 1e-3 at most, and less because the errors are independent and partly cancel. The bound
-  2e-3 is twice that estimate; the max error is allowed 1e-2 of max |ref|.
+  2e-3 is twice that estimate; the max error is allowed 1e-2 of max |ref|. On Hopper the wgmma
+  kernel (``rtk_chunk_fwd_tf32``) reads q and k unrounded, so the tensor cores truncate them (relative
+  error <= 2u each): 6.4e-4 at (4, 32, 4096, 128) against 4.2e-4, inside the same bound.
 """
 
 import functools

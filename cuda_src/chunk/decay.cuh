@@ -57,6 +57,15 @@ struct rtk_chunk_decay {
       #pragma unroll
       for (int e = 0; e < 4; ++e) p[j][e] = 0.f;
   }
+  // scale_scores of output warp w (0..3), each warp running code compiled for its own rows.
+  __device__ __forceinline__ void scale_scores_of(int w, float (&p)[8][4]) const {
+    switch (w) {
+      case 0: scale_scores<0>(p); break;
+      case 1: scale_scores<1>(p); break;
+      case 2: scale_scores<2>(p); break;
+      default: scale_scores<3>(p); break;
+    }
+  }
   // Output rows times gamma^(t - r0) * scale.
   template <int NT> __device__ __forceinline__ void scale_rows(float (&o_acc)[NT][4]) const {
     #pragma unroll

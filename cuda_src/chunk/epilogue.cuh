@@ -37,6 +37,27 @@ __device__ __forceinline__ void rtk_chunk_mark_nonfinite(float (&o_acc)[NT][4], 
     }
 }
 
+// The same in one pass over the keys s <= r0 + 15, each column's first non-finite key (C: none) then
+// compared with the rows: compact code, for kernels that compile it once per output warp.
+template <int NT, int C, class Bad>
+__device__ __forceinline__ void rtk_chunk_mark_from_first(float (&o_acc)[NT][4], int r0, int g, int t4, Bad bad) {
+  int first[NT][2];
+  #pragma unroll
+  for (int nt = 0; nt < NT; ++nt) first[nt][0] = first[nt][1] = C;
+  #pragma unroll 1
+  for (int s2 = r0 + 15; s2 >= 0; --s2)
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      #pragma unroll
+      for (int b = 0; b < 2; ++b)
+        if (bad(s2, nt * 8 + 2 * t4 + b)) first[nt][b] = s2;
+  #pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (r0 + g + (e >> 1) * 8 >= first[nt][e & 1]) o_acc[nt][e] = __int_as_float(0x7fc00000);
+}
+
 // Two adjacent outputs as one store (4 bytes for 16-bit types, 8 for fp32).
 template <int DT> __device__ __forceinline__ void rtk_store_pair(typename rtk_io<DT>::T* p, float lo, float hi) {
   if constexpr (DT == RTK_F32) {

@@ -205,14 +205,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     const bool ovec2 = DUAL && Dk == KMAX && (k_sn & 1) == 0 && (reinterpret_cast<size_t>(ob2) & 3) == 0;
     const bool osend2 = ovec2 && k_sn % 8 == 0 && (reinterpret_cast<size_t>(ob2) & 15) == 0;
     // scores P: gamma^(t-s) * scale for s <= t, 0 above the diagonal (code per warp: no branches)
-    auto scale_scores = [&](float (&pp)[8][4]) {
-      switch (w) {
-        case 0: dec.scale_scores<0>(pp); break;
-        case 1: dec.scale_scores<1>(pp); break;
-        case 2: dec.scale_scores<2>(pp); break;
-        default: dec.scale_scores<3>(pp); break;
-      }
-    };
+    auto scale_scores = [&](float (&pp)[8][4]) { dec.scale_scores_of(w, pp); };
     float s_inv = 1.f;  // the state copy holds S * 2^e (fp16); s_inv = 2^-e
     float dlog_sum = 0.f;  // DLOG: this thread's share of the CTA's sum
     const float w_unnorm = WFORM ? 1.f / rtk_dlog_norm<DT>(lg2) : 1.f;  // fp16's W copy holds W dn 2^e'

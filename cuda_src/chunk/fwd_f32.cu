@@ -292,26 +292,8 @@ rtk_chunk_fwd_f32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sha
           }
         }
 
-        if (v_bad) {
-          // rare: NaN where the causal sum reaches a non-finite v_s (rows t >= s, same column),
-          // as rtk_chunk_mark_nonfinite but with one pass over the keys s <= r0 + 15 (compact
-          // code: this is compiled once per output warp)
-          int first[NT][2];  // first key s with v_s[c] non-finite in the thread's columns c (64: none)
-          #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) first[nt][0] = first[nt][1] = C;
-          #pragma unroll 1
-          for (int s2 = r0 + 15; s2 >= 0; --s2)
-            #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-              #pragma unroll
-              for (int b = 0; b < 2; ++b)
-                if (rtk_nonfinite(sV[s2 * VS + nt * 8 + 2 * t4 + b])) first[nt][b] = s2;
-          #pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-            #pragma unroll
-            for (int e = 0; e < 4; ++e)
-              if (r0 + g + (e >> 1) * 8 >= first[nt][e & 1]) o_acc[nt][e] = __int_as_float(0x7fc00000);
-        }
+        if (v_bad)  // rare: NaN where the causal sum reaches a non-finite v_s (rows t >= s, same column)
+          rtk_chunk_mark_from_first<NT, C>(o_acc, r0, g, t4, [&](int s2, int c) { return rtk_nonfinite(sV[s2 * VS + c]); });
         rtk_chunk_store_rows<RTK_F32>(ob, o_acc, n0, r0, g, t4, len, o_sn, v0, dv_here, ovec_full);
         rtk_cta_sync();  // (B) done with the state copy, the pieces and this stage
       }

@@ -23,6 +23,7 @@ from .._launch import row_address
 #: The sources of the chunk kernels, one kernel each (under ``cuda_src/``).
 FWD16_SOURCE = "chunk/fwd16.cu"
 F32_SOURCE = "chunk/fwd_f32.cu"
+TF32_WG_SOURCE = "chunk/fwd_tf32.cu"
 STATES_SOURCE = "chunk/states.cu"
 SEG_SCAN_SOURCE = "chunk/seg_scan.cu"
 #: Largest Dk the kernels take (the contraction of q . k and the state rows a CTA holds).
@@ -61,9 +62,13 @@ def kernel_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, ctas: int = 0
 
     For float32: (DT, KMAX, BV, STAGES, EXACT, VEC, MINB) of ``rtk_chunk_fwd_f32`` (see
     :func:`f32_config`; ``bv`` given: that width, with the stages that fit), or None when no tile
-    fits ``smem_limit`` bytes of shared memory per CTA (0: the limit of an H100/H200). It has no
-    wgmma variant (``wgmma`` is ignored) and always takes MINB 1."""
+    fits ``smem_limit`` bytes of shared memory per CTA (0: the limit of an H100/H200); MINB is
+    always 1. With ``wgmma``, the TF32 mode (``exact`` false), aligned rows, Dk <= 128 and a
+    64-wide tile (or none asked): ``rtk_chunk_fwd_tf32`` instead, the same tuple with an eighth
+    argument WG = true (:func:`tf32_wg_config`)."""
     if dtype == torch.float32:
+        if wgmma and not exact and vec and _kmax(dk) <= 128 and bv in (None, 64):
+            return tf32_wg_config(dk)
         tile = f32_config(dk, dv, smem_limit or SMEM_LIMIT_SM90, bv)
         return None if tile is None else (dtype_code(dtype), *tile, exact, vec, 1)
     kmax = _kmax(dk)
@@ -195,11 +200,24 @@ def dual_config(dtype: torch.dtype, dk: int, dv: int, vec: bool, dlog: bool = Fa
     return dtype_code(dtype), _kmax(dk), 64 if dv <= 64 else 128, True, 1, True, 2 if dlog else False, 2, True
 
 
+def tf32_wg_config(dk: int) -> tuple:
+    """(DT, KMAX, BV, STAGES, EXACT, VEC, MINB, WG) of ``rtk_chunk_fwd_tf32`` (``cuda_src/chunk/
+    fwd_tf32.cu``): float32 in the TF32 mode on wgmma (sm_90a), 16-byte aligned rows, Dk <= 128,
+    64 value columns a CTA, two stages. The caller checks that the GPU runs sm_90a code."""
+    return dtype_code(torch.float32), _kmax(dk), 64, 2, False, True, 1, True
+
+
 def _is_f32(config: tuple) -> bool:
     return config[0] == dtype_code(torch.float32)
 
 
+def _is_tf32_wg(config: tuple) -> bool:
+    return _is_f32(config) and len(config) > 7 and bool(config[7])
+
+
 def name_expression(config: tuple) -> str:
+    if _is_tf32_wg(config):
+        return f"rtk_chunk_fwd_tf32<{config[1]}, {config[2]}>"
     if _is_f32(config):
         return "rtk_chunk_fwd_f32<" + ", ".join(str(c).lower() for c in config[1:]) + ">"
     return "rtk_chunk_fwd<" + ", ".join(str(c).lower() for c in config) + ">"
@@ -242,8 +260,17 @@ def f32_smem_bytes(kmax: int, bv: int, stages: int = 2) -> int:
     return 4 * (stages * (2 * c * (kmax + 4) + c * (bv + 4)) + kmax * (bv + 8) + 8 * 16 * (bv // 4))
 
 
+def tf32_wg_smem_bytes(kmax: int, bv: int) -> int:
+    """Dynamic shared memory of ``rtk_chunk_fwd_tf32`` (mirrors rtk_tf32_smem in the kernel): two
+    stages of q, k and v^T tiles, two fp32 copies of S^T, the OR ring, the 1024-byte alignment slack."""
+    c = CHUNK_KERNEL
+    return 4 * (2 * (2 * c * kmax + bv * c) + 2 * bv * kmax) + 8 + 1024
+
+
 def config_smem(config: tuple) -> int:
-    """Dynamic shared memory of a :func:`kernel_config` template, either kernel."""
+    """Dynamic shared memory of a :func:`kernel_config` template, any of the three kernels."""
+    if _is_tf32_wg(config):
+        return tf32_wg_smem_bytes(config[1], config[2])
     if _is_f32(config):
         return f32_smem_bytes(config[1], config[2], config[3])
     dual = len(config) > 8 and config[8]
@@ -300,7 +327,7 @@ def _f32_configs() -> set[tuple]:
                         c = kernel_config(torch.float32, kmax, bv, vec, bv=bv, exact=exact, smem_limit=limit)
                         if c is not None:
                             out.add(c)
-    return out
+    return out | {tf32_wg_config(dk) for dk in (64, 128)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -351,8 +378,9 @@ WGMMA_OPTIONS = ("-arch=sm_90a",)
 class Overrides:
     """What a test or a measurement may force on the chunk kernel's plan (None: the heuristic or
     the tuned config decides). ``segments``: the number of sequence segments; ``wgmma``: the wgmma
-    kernel on or off; ``bv``: the value-tile width. float32 inputs take ``segments`` only (their
-    kernel has no wgmma variant and its BV follows the shared memory). ``dedicated_states``: the
+    kernel on or off; ``bv``: the value-tile width. float32 inputs take ``segments``, and in the
+    TF32 mode ``wgmma`` (off: ``rtk_chunk_fwd_f32`` on Hopper too) and ``bv`` (anything but 64
+    also leaves the wgmma kernel); otherwise their BV follows the shared memory. ``dedicated_states``: the
     split-sequence strategy of 16-bit inputs, the states kernel ``rtk_chunk_states`` plus a fused
     pass folding its slots (True), or the fused kernel's states-only mode, ``rtk_chunk_seg_scan``
     and the fused pass (False; float32 always takes the latter). ``key_pieces``: 16-bit inputs with
@@ -537,11 +565,12 @@ def _launch_of(config: Optional[tuple], nseg: int) -> Launch:
     """The :class:`Launch` of a :func:`kernel_config` template with ``nseg`` segments."""
     if config is None:
         raise ValueError("no rtk_chunk_fwd_f32 tile fits this GPU's shared memory")
-    f32 = _is_f32(config)
-    wg = not f32 and config[5]
+    f32, tf32_wg = _is_f32(config), _is_tf32_wg(config)
+    wg = tf32_wg or (not f32 and config[5])
     threads = f32_threads(config[4]) if f32 else 256
+    source = TF32_WG_SOURCE if tf32_wg else F32_SOURCE if f32 else FWD16_SOURCE
     return Launch(name_expression(config), config[2], nseg, config_smem(config), threads,
-                  WGMMA_OPTIONS if wg else (), F32_SOURCE if f32 else FWD16_SOURCE)
+                  WGMMA_OPTIONS if wg else (), source)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -549,9 +578,17 @@ def plan_launch(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: int
          overrides: Overrides = Overrides(), exact: bool = True) -> Launch:
     """The heuristic's launch on device ``dev`` (no tuned config); ``exact``: the float32
     kernel's mode (3xTF32, else TF32)."""
-    wg = dtype != torch.float32 and _wgmma_ok(dev, overrides) and dk <= 128
+    wg = dk <= 128 and (dtype != torch.float32 or (not exact and vec and overrides.bv in (None, 64))) and (
+        _wgmma_ok(dev, overrides))  # float32: the TF32 mode on wgmma
     sms, limit = _sm_count(dev), _smem_limit(dev)
-    bv = (overrides.bv or value_tile(dv, bh, n, sms)) if wg else _default_bv(dtype, dk, dv, limit)
+    if wg and dtype == torch.float32 and overrides.segments is None and segments_for(bh * -(-dv // 64), n, sms, 1) > 1:
+        # its states-only period costs about what its fused one does, so where the heuristic splits
+        # the sequence the mma.sync kernel is faster (H100, (1, 32, 16384, 128): 1.39 against 1.63-1.75 ms)
+        wg = False
+    if wg and dtype == torch.float32:
+        bv = 64
+    else:
+        bv = (overrides.bv or value_tile(dv, bh, n, sms)) if wg else _default_bv(dtype, dk, dv, limit)
     tiles = bh * -(-dv // bv)
     nseg = overrides.segments or segments_for(tiles, n, sms, ctas_per_sm(dtype, dk, bv, wg, limit, exact))
     stages = overrides.stages or default_stages(dtype, bv)
@@ -662,7 +699,7 @@ def _tune_check(p: Problem, config: dict, limits: Limits) -> Optional[str]:
     f32 = p.torch_dtype == torch.float32
     wg, bv, nseg = config.get("wgmma", False), config["bv"], config["segments"]
     if wg and f32:
-        return "the fp32 kernel (TF32 mma.sync) has no wgmma variant"
+        return "the tune space has no wgmma variant for fp32 (the heuristic takes rtk_chunk_fwd_tf32 in the tf32 mode)"
     if not wg and bv > 64:
         return "the mma.sync kernel takes BV 32 or 64"
     if config.get("key_pieces"):  # missing (stored before it was tuned): checked as the one pass it described
@@ -730,7 +767,7 @@ def instance_options() -> dict[str, tuple[str, ...]]:
 
 def instances() -> dict[str, list[str]]:
     """Every template instance the plans can ask for, by source (the CI compile test)."""
-    fwd: dict[str, list[str]] = {FWD16_SOURCE: [], F32_SOURCE: []}
+    fwd: dict[str, list[str]] = {FWD16_SOURCE: [], F32_SOURCE: [], TF32_WG_SOURCE: []}
     for c in all_configs():
-        fwd[F32_SOURCE if _is_f32(c) else FWD16_SOURCE].append(name_expression(c))
+        fwd[_launch_of(c, 1).source].append(name_expression(c))
     return {**fwd, STATES_SOURCE: sorted(states_name(c) for c in _states_configs()), SEG_SCAN_SOURCE: ["rtk_chunk_seg_scan"]}
