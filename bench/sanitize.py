@@ -264,8 +264,10 @@ def _drive_f32(precision: str) -> Optional[str]:
     from rtkernels.methods import chunk
 
     torch = _torch()
-    for segments in (1, 3):
-        with chunk.override(segments=segments):
+    # "tf32" on Hopper: rtk_chunk_fwd_tf32 where it runs (aligned rows, Dk <= 128), and the mma.sync
+    # kernel with wgmma off
+    for segments, wgmma in ((1, None), (3, None)) + (((1, False), (3, False)) if precision == "tf32" else ()):
+        with chunk.override(segments=segments, wgmma=wgmma):
             _forward(*_qkv(2, 3, 131, 40, 72, torch.float32), "chunk", f"f32 {precision}", precision, state=True)
             _forward(*_qkv(1, 2, 300, 200, 33, torch.float32, seed=1), "chunk", f"f32 KMAX 256 {precision}",
                      precision)
@@ -531,7 +533,8 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
     "states-tma": (_drive_states_tma, "chunk/states.cu by tensor copies and wgmma (3 segments; forward, reversed and DLOG passes)"),
     "split-segscan": (lambda: _drive_split(False), "fwd16 states-only pass + chunk/seg_scan.cu"),
     "f32-exact": (lambda: _drive_f32("exact"), "chunk/fwd_f32.cu 3xTF32, one pass and split (+ seg_scan)"),
-    "f32-tf32": (lambda: _drive_f32("tf32"), "chunk/fwd_f32.cu TF32, one pass and split (+ seg_scan)"),
+    "f32-tf32": (lambda: _drive_f32("tf32"), "chunk/fwd_f32.cu TF32 and, on Hopper, chunk/fwd_tf32.cu; one pass "
+                 "and split (+ seg_scan)"),
     "backward": (_drive_backward, "kernel backward: forward and reversed passes, 16-bit and fp32, split"),
     "dk-dv": (_drive_dk_dv, "chunk/fwd16.cu DUAL (the backward's dk and dv passes as one walk; one segment and "
                             "three, with chunk/states.cu)"),
