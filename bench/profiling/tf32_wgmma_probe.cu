@@ -13,6 +13,7 @@
 // (s & ~7) | 4 (s & 1) | ((s & 7) >> 1).
 // Whole chunks only (N a multiple of 64), Dk = 128, Dv a multiple of 64, contiguous [BH, N, D].
 #include "include/copy.cuh"
+#include "include/tf32.cuh"
 #include "include/types.cuh"
 #include "include/wgmma_sm90.cuh"
 
@@ -26,30 +27,6 @@ __device__ __forceinline__ int swz(int rows, int r, int c) {
   return (c >> 5) * (rows * 128) + r * 128 + ((((c >> 2) & 7) ^ (r & 7)) << 4) + ((c & 3) << 2);
 }
 
-__device__ __forceinline__ void cp4(rtk_u32 dst, const float* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ rtk_u32 tf32(float x) {
-  rtk_u32 r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-__device__ __forceinline__ void wg_ss(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
-#ifdef RTK_HAS_WGMMA
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " RTK_D32 ", %32, %33, p, 1, 1;\n}\n"
-               : RTK_D32_OPS(d) : "l"(da), "l"(db), "r"(acc));
-#endif
-}
-__device__ __forceinline__ void wg_rs(float (&d)[32], const rtk_u32 (&a)[4], unsigned long long db, int acc) {
-#ifdef RTK_HAS_WGMMA
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " RTK_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-               : RTK_D32_OPS(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc));
-#endif
-}
-// k8 step ks of a K-major tile of `rows` rows: +32 bytes inside a 128-byte row, a region per 4 steps
-__device__ __forceinline__ rtk_u32 kstep(int rows, int ks) { return (rtk_u32)(((ks >> 2) * (rows * 128) + (ks & 3) * 32) >> 4); }
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(256, 1)
@@ -85,9 +62,9 @@ rtk_tf32_probe(const float* __restrict__ q, const float* __restrict__ k, const f
       const unsigned long long ds = rtk_wg_desc(scopy(c & 1), 16, 1024), dvt = rtk_wg_desc(stage_vt(st), 16, 1024);
       rtk_wg_fence();
       #pragma unroll
-      for (int ks = 0; ks < KM / 8; ++ks) wg_ss(p, rtk_desc_at(dq, kstep(C, ks)), rtk_desc_at(dk, kstep(C, ks)), ks);
+      for (int ks = 0; ks < KM / 8; ++ks) rtk_wgmma_tf32_ss(p, rtk_desc_at(dq, rtk_kmajor_step(C, ks)), rtk_desc_at(dk, rtk_kmajor_step(C, ks)), ks);
       #pragma unroll
-      for (int ks = 0; ks < KM / 8; ++ks) wg_ss(acc, rtk_desc_at(dq, kstep(C, ks)), rtk_desc_at(ds, kstep(BV, ks)), ks);
+      for (int ks = 0; ks < KM / 8; ++ks) rtk_wgmma_tf32_ss(acc, rtk_desc_at(dq, rtk_kmajor_step(C, ks)), rtk_desc_at(ds, rtk_kmajor_step(BV, ks)), ks);
       rtk_wg_commit();
       rtk_wg_wait<0>();
       // scores: gamma^(t-s) scale below the diagonal, 0 above, as gamma^t * gamma^-s (gamma near 1
@@ -108,15 +85,15 @@ rtk_tf32_probe(const float* __restrict__ q, const float* __restrict__ k, const f
       rtk_u32 pa[32];  // k8 block j of P: tokens 8j + 2 t4 (+1), rows g, g + 8, as TF32 A fragments
       #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        pa[4 * j] = tf32(p[4 * j]);
-        pa[4 * j + 1] = tf32(p[4 * j + 2]);
-        pa[4 * j + 2] = tf32(p[4 * j + 1]);
-        pa[4 * j + 3] = tf32(p[4 * j + 3]);
+        pa[4 * j] = rtk_tf32(p[4 * j]);
+        pa[4 * j + 1] = rtk_tf32(p[4 * j + 2]);
+        pa[4 * j + 2] = rtk_tf32(p[4 * j + 1]);
+        pa[4 * j + 3] = rtk_tf32(p[4 * j + 3]);
       }
       rtk_wg_fence();
       #pragma unroll
       for (int j = 0; j < 8; ++j)
-        wg_rs(acc, reinterpret_cast<const rtk_u32 (&)[4]>(pa[4 * j]), rtk_desc_at(dvt, kstep(BV, j)), 1);
+        rtk_wgmma_tf32_rs(acc, reinterpret_cast<const rtk_u32 (&)[4]>(pa[4 * j]), rtk_desc_at(dvt, rtk_kmajor_step(BV, j)), 1);
       rtk_wg_commit();
       rtk_wg_wait<0>();
       float* orow = ob + (rtk_i64)c * C * Dv;
@@ -148,8 +125,8 @@ rtk_tf32_probe(const float* __restrict__ q, const float* __restrict__ k, const f
       #pragma unroll
       for (int u = 0; u < 32; ++u) {  // token va + 2u, column vd of v -> v^T row vd, column 8 (u >> 2) + 4 va + (u & 3)
         const int col = 8 * (u >> 2) + 4 * va + (u & 3);
-        cp4(stage_vt(st) + (col >> 5) * (BV * 128) + vd * 128 + ((((col >> 2) & 7) ^ (vd & 7)) << 4) + ((col & 3) << 2),
-            vc + (rtk_i64)(2 * u) * Dv);
+        rtk_cp_async4(stage_vt(st) + (col >> 5) * (BV * 128) + vd * 128 + ((((col >> 2) & 7) ^ (vd & 7)) << 4) + ((col & 3) << 2),
+            vc + (rtk_i64)(2 * u) * Dv, 4);
       }
     };
     float s_acc[2][32];
@@ -196,14 +173,14 @@ rtk_tf32_probe(const float* __restrict__ q, const float* __restrict__ k, const f
           asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x[1]) : "r"(kt + swz(C, s0, r0 + 8)));
           asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x[2]) : "r"(kt + swz(C, s1, r0)));
           asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x[3]) : "r"(kt + swz(C, s1, r0 + 8)));
-          a[m][0] = tf32(x[0] * w0);
-          a[m][1] = tf32(x[1] * w0);
-          a[m][2] = tf32(x[2] * w1);
-          a[m][3] = tf32(x[3] * w1);
+          a[m][0] = rtk_tf32(x[0] * w0);
+          a[m][1] = rtk_tf32(x[1] * w0);
+          a[m][2] = rtk_tf32(x[2] * w1);
+          a[m][3] = rtk_tf32(x[3] * w1);
         }
         rtk_wg_fence();
-        wg_rs(s_acc[0], a[0], rtk_desc_at(dvt, kstep(BV, j)), 1);
-        wg_rs(s_acc[1], a[1], rtk_desc_at(dvt, kstep(BV, j)), 1);
+        rtk_wgmma_tf32_rs(s_acc[0], a[0], rtk_desc_at(dvt, rtk_kmajor_step(BV, j)), 1);
+        rtk_wgmma_tf32_rs(s_acc[1], a[1], rtk_desc_at(dvt, rtk_kmajor_step(BV, j)), 1);
         rtk_wg_commit();
         rtk_wg_wait<0>();
       }

@@ -1,6 +1,6 @@
 """Scratch: the TF32 wgmma forward probe (tf32_wgmma_probe.cu) against fp64 and against the library's
-float32 "tf32" forward (rtk_chunk_fwd_f32, mma.sync), kernel time by CUDA events over back-to-back
-launches. Needs an sm_90a GPU and CuPy. Usage: python bench/profiling/tf32_wgmma_probe.py"""
+float32 "tf32" forward, kernel time by CUDA events over back-to-back launches. (The library ran
+rtk_chunk_fwd_f32, mma.sync, when the results were taken; on Hopper it now plans rtk_chunk_fwd_tf32.) Needs an sm_90a GPU and CuPy. Usage: python bench/profiling/tf32_wgmma_probe.py"""
 import pathlib
 import warnings
 
@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 import rtkernels
+from rtkernels.cli.bench.timing import back_to_back_ms
 
 warnings.simplefilter("ignore", DeprecationWarning)
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -45,18 +46,6 @@ def reference(q, k, v, decay, scale):
     return ((qd @ kd.transpose(-1, -2)) * m * scale) @ vd
 
 
-def ms(f, reps=20):
-    f()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        f()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / reps
-
-
 def main():
     fn = kernel()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -71,8 +60,9 @@ def main():
     for name, (b, h, n) in {"small": (2, 32, 1024), "mid": (4, 32, 4096), "long": (1, 32, 16384)}.items():
         q, k, v = (torch.randn(b, h, n, 128, device="cuda", generator=g) / 128 ** 0.25 for _ in range(3))
         decay = (1 - torch.exp(torch.linspace(-3.5, -6.2, h, dtype=torch.float64))).float().cuda()
-        t_probe = min(ms(lambda: probe(fn, q, k, v, decay, 1.0)) for _ in range(3))
-        t_lib = min(ms(lambda: rtkernels.causal_linear_attention(q, k, v, decay, method="chunk", fp32_precision="tf32"))
+        t_probe = min(back_to_back_ms(lambda: probe(fn, q, k, v, decay, 1.0), reps=20) for _ in range(3))
+        t_lib = min(back_to_back_ms(lambda: rtkernels.causal_linear_attention(q, k, v, decay, method="chunk",
+                                                                              fp32_precision="tf32"), reps=20)
                     for _ in range(3))
         roof = 4 * q.numel() * 4 / 3.35e12 * 1e3
         print(f"{name} ({b}, {h}, {n}, 128): probe {t_probe:.3f} ms, library tf32 {t_lib:.3f} ms "

@@ -246,7 +246,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       // wgmma descriptors: a base per operand, plus the byte offset of each 16-wide k step / 16-row
       // group (>> 4: the start-address field counts 16-byte units, and never overflows here);
       // kmaj: k-step ks of a 64-row tile stored K-major
-      auto kmaj = [](int ks) { return (rtk_u32)(((ks >> 2) * (C * 128) + (ks & 3) * 32) >> 4); };
+      auto kmaj = [](int ks) { return rtk_kmajor_step(C, ks); };
       if constexpr (WG) {
         // q k^T for all 64 x 64 pairs and q S, both from shared memory, as two wgmma groups
         float (&pa)[32] = reinterpret_cast<float (&)[32]>(p);

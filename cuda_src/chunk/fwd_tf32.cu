@@ -51,37 +51,6 @@ struct rtk_tf32_smem {
   static __device__ __forceinline__ int key_col(int s) { return (s & ~7) | ((s & 1) << 2) | ((s & 7) >> 1); }
 };
 
-#define RTK_WGMMA_TF32_SS                                                                          \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                       \
-               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " RTK_D32 ", %32, %33, p, 1, 1;\n}\n" \
-               : RTK_D32_OPS(d) : "l"(da), "l"(db), "r"(acc))
-#define RTK_WGMMA_TF32_RS                                                                          \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                       \
-               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " RTK_D32                      \
-               ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"                                        \
-               : RTK_D32_OPS(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc))
-// D (64 x 64) (+)= A (64 x 8) B (8 x 64), TF32 operands K-major in shared memory (descriptors).
-__device__ __forceinline__ void rtk_wgmma_tf32_ss(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
-#ifdef RTK_HAS_WGMMA
-  RTK_WGMMA_TF32_SS;
-#else
-  __trap();
-#endif
-}
-// The same with A from registers: warp w's rows 16 w.. as an mma.sync m16n8k8 TF32 A fragment.
-__device__ __forceinline__ void rtk_wgmma_tf32_rs(float (&d)[32], const rtk_u32 (&a)[4], unsigned long long db, int acc) {
-#ifdef RTK_HAS_WGMMA
-  RTK_WGMMA_TF32_RS;
-#else
-  __trap();
-#endif
-}
-// 4 bytes from global memory (src_bytes 0: zeros).
-__device__ __forceinline__ void rtk_cp_async4(rtk_u32 dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ float rtk_round_tf32(float x) { return __uint_as_float(rtk_tf32(x)); }
-
 template <int KMAX, int BV>
 __global__ void __launch_bounds__(256, 1)
 rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_shape p) {
@@ -140,9 +109,9 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
                     in ? (const void*)(vb + (rtk_i64)(n0 + s) * v_sn + d) : vb, in ? 4 : 0);
     }
   };
-  // After this thread's copies of chunk `chunk` landed: round its own pieces to TF32 in place and
+  // After this thread's copies of a chunk landed in `stage`: round its own pieces to TF32 in place and
   // say whether its v values hold Inf/NaN.
-  auto round_chunk = [&](int chunk, int stage) -> bool {
+  auto round_chunk = [&](int stage) -> bool {
     bool bad = false;
     #pragma unroll
     for (int u = 0; u < C * BV / 128; ++u) {
@@ -152,7 +121,6 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
       bad |= rtk_nonfinite(*x);
       *x = rtk_round_tf32(*x);
     }
-    (void)chunk;
     return bad;
   };
   // The state warps' end of a period: chunk `next` landed and rounded (async proxy: wgmma reads it),
@@ -161,7 +129,7 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
     bool bad = false;
     if (!out_warp) {
       rtk_cp_async_wait<0>();
-      if (next < nchunks) bad = round_chunk(next, next & 1);
+      if (next < nchunks) bad = round_chunk(next & 1);
       rtk_fence_proxy_async();
     }
     return rtk_cta_sync_or(bad, or_ring, (rtk_u32)next);
@@ -176,8 +144,6 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
     const rtk_chunk_decay dec(lg2, out_scale, g, t4, r0);
     const float f_lo = dec.inter0 * dec.row_lo, f_hi = dec.inter0 * dec.row_hi;
     auto scale_scores = [&](float (&pp)[8][4]) { dec.scale_scores_of(w, pp); };
-    // k8 step ks of a K-major tile of `rows` rows: 32 bytes along a 128-byte row, a region per 4
-    auto kstep = [](int rows, int ks) { return (rtk_u32)(((ks >> 2) * (rows * 128) + (ks & 3) * 32) >> 4); };
     bool v_bad = end_period(0);
     for (int chunk = 0; chunk < nchunks; ++chunk) {
       const int stage = chunk & 1, n0 = chunk * C, len = min(C, NS - n0);
@@ -193,10 +159,10 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
       const unsigned long long ds = rtk_wg_desc(copy_s(stage), 16, 1024), dvt = rtk_wg_desc(tile_vt(stage), 16, 1024);
       rtk_wg_fence();
       #pragma unroll
-      for (int ks = 0; ks < KMAX / 8; ++ks) rtk_wgmma_tf32_ss(pa, rtk_desc_at(dq, kstep(C, ks)), rtk_desc_at(dk, kstep(C, ks)), ks);
+      for (int ks = 0; ks < KMAX / 8; ++ks) rtk_wgmma_tf32_ss(pa, rtk_desc_at(dq, rtk_kmajor_step(C, ks)), rtk_desc_at(dk, rtk_kmajor_step(C, ks)), ks);
       rtk_wg_commit();
       #pragma unroll
-      for (int ks = 0; ks < KMAX / 8; ++ks) rtk_wgmma_tf32_ss(oa, rtk_desc_at(dq, kstep(C, ks)), rtk_desc_at(ds, kstep(BV, ks)), ks);
+      for (int ks = 0; ks < KMAX / 8; ++ks) rtk_wgmma_tf32_ss(oa, rtk_desc_at(dq, rtk_kmajor_step(C, ks)), rtk_desc_at(ds, rtk_kmajor_step(BV, ks)), ks);
       rtk_wg_commit();
       rtk_chunk_land<1>(pr, o_acc, f_lo, f_hi, scale_scores);
       if (!v_bad) {  // P v: P from registers (keys 2 t4, 2 t4 + 1 as A columns t4, t4 + 4), v^T K-major
@@ -210,7 +176,7 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
         }
         rtk_wg_fence();
         #pragma unroll
-        for (int j = 0; j < 8; ++j) rtk_wgmma_tf32_rs(oa, a[j], rtk_desc_at(dvt, kstep(BV, j)), 1);
+        for (int j = 0; j < 8; ++j) rtk_wgmma_tf32_rs(oa, a[j], rtk_desc_at(dvt, rtk_kmajor_step(BV, j)), 1);
         rtk_wg_commit();
         rtk_wg_wait<0>();
         rtk_wg_pin(oa);
@@ -292,7 +258,7 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
           rtk_wgmma_tf32_rs(reinterpret_cast<float (&)[32]>(s_acc[mt]), a[kk & 1][mt],
-                            rtk_desc_at(dvt, ((kk >> 2) * (BV * 128) + (kk & 3) * 32) >> 4), 1);
+                            rtk_desc_at(dvt, rtk_kmajor_step(BV, kk)), 1);
         rtk_wg_commit();
         rtk_wg_wait<1>();
       }

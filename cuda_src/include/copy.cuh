@@ -13,6 +13,10 @@ __device__ __forceinline__ rtk_u32 rtk_smem_addr(const void* p) {
 __device__ __forceinline__ void rtk_cp_async16(rtk_u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+// 4-byte global -> shared copy (src_bytes 0: zero), e.g. one element of a transposed tile.
+__device__ __forceinline__ void rtk_cp_async4(rtk_u32 dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
 __device__ __forceinline__ void rtk_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void rtk_cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");

@@ -15,6 +15,8 @@ __device__ __forceinline__ rtk_u32 rtk_tf32(float x) {
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return r;
 }
+// The same as a float (for an operand stored back to shared memory).
+__device__ __forceinline__ float rtk_round_tf32(float x) { return __uint_as_float(rtk_tf32(x)); }
 // x = hi + lo for the 3xTF32 products, in 2 instructions: hi = x truncated to tf32 (clear the 13
 // low mantissa bits: one logic op), lo = x - hi, exact in fp32 (0 <= lo / x < 2^-10), handed to
 // the mma as its raw fp32 bits: a .tf32 operand's 13 low mantissa bits are not read by the tensor

@@ -35,6 +35,11 @@ __device__ __forceinline__ unsigned long long rtk_desc_at(unsigned long long bas
   asm volatile("add.s64 %0, %1, %2;" : "=l"(d) : "l"(base), "l"((unsigned long long)off16));
   return d;
 }
+// The descriptor offset (16-byte units) of k-step ks of a K-major tile of `rows` rows: each step
+// is 32 bytes along the 128-byte rows (16 16-bit or 8 TF32 columns), a new region every 4 steps.
+__device__ __forceinline__ rtk_u32 rtk_kmajor_step(int rows, int ks) {
+  return (rtk_u32)(((ks >> 2) * (rows * 128) + (ks & 3) * 32) >> 4);
+}
 #ifdef RTK_HAS_WGMMA
 __device__ __forceinline__ void rtk_wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void rtk_wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -94,6 +99,33 @@ template <int DT, int TB>
 __device__ __forceinline__ void rtk_wgmma_rs(float (&d)[32], const rtk_u32 (&a)[4], unsigned long long db, int acc) {
 #ifdef RTK_HAS_WGMMA
   if (DT == RTK_BF16) RTK_WGMMA_RS("bf16"); else RTK_WGMMA_RS("f16");
+#else
+  __trap();
+#endif
+}
+
+#define RTK_WGMMA_TF32_SS                                                                          \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                       \
+               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " RTK_D32 ", %32, %33, p, 1, 1;\n}\n" \
+               : RTK_D32_OPS(d) : "l"(da), "l"(db), "r"(acc))
+#define RTK_WGMMA_TF32_RS                                                                          \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                       \
+               "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " RTK_D32                      \
+               ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"                                        \
+               : RTK_D32_OPS(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(acc))
+// D (64 x 64) (+)= A (64 x 8) B (8 x 64), TF32 operands, both K-major in shared memory (TF32 wgmma
+// takes no transposed operand).
+__device__ __forceinline__ void rtk_wgmma_tf32_ss(float (&d)[32], unsigned long long da, unsigned long long db, int acc) {
+#ifdef RTK_HAS_WGMMA
+  RTK_WGMMA_TF32_SS;
+#else
+  __trap();
+#endif
+}
+// The same with A from registers: warp w's rows 16 w.. as an mma.sync m16n8k8 TF32 A fragment.
+__device__ __forceinline__ void rtk_wgmma_tf32_rs(float (&d)[32], const rtk_u32 (&a)[4], unsigned long long db, int acc) {
+#ifdef RTK_HAS_WGMMA
+  RTK_WGMMA_TF32_RS;
 #else
   __trap();
 #endif

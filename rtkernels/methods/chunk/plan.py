@@ -585,10 +585,10 @@ def plan_launch(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: int
         # its states-only period costs about what its fused one does, so where the heuristic splits
         # the sequence the mma.sync kernel is faster (H100, (1, 32, 16384, 128): 1.39 against 1.63-1.75 ms)
         wg = False
-    if wg and dtype == torch.float32:
-        bv = 64
-    else:
-        bv = (overrides.bv or value_tile(dv, bh, n, sms)) if wg else _default_bv(dtype, dk, dv, limit)
+    if not wg:
+        bv = _default_bv(dtype, dk, dv, limit)
+    else:  # float32's wgmma kernel: 64 columns
+        bv = 64 if dtype == torch.float32 else overrides.bv or value_tile(dv, bh, n, sms)
     tiles = bh * -(-dv // bv)
     nseg = overrides.segments or segments_for(tiles, n, sms, ctas_per_sm(dtype, dk, bv, wg, limit, exact))
     stages = overrides.stages or default_stages(dtype, bv)
