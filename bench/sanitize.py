@@ -328,9 +328,10 @@ def _drive_decay_grad() -> Optional[str]:
 
 
 def _drive_decay_grad_f32() -> Optional[str]:
-    """The float32 dlog(gamma) kernel in both modes: 32-wide tiles with the state's rows in two slices
+    """The float32 dlog(gamma) kernels in both modes: 32-wide tiles with the state's rows in two slices
     (very few CTAs), 32-wide tiles in two stages (few: on a GPU of 132 SMs), 64-wide tiles at KMAX
-    128 (many CTAs), KMAX 64, KMAX 256 (one stage), unaligned rows (the element loader)."""
+    128 (many CTAs), KMAX 64, KMAX 256 (one stage), unaligned rows (the element loader). On Hopper
+    the "tf32" mode's aligned cases up to Dk 128 run the wgmma kernel (decay_grad_tf32.cu)."""
     torch = _torch()
     for precision in ("exact", "tf32"):
         f32 = torch.float32
@@ -540,7 +541,8 @@ GROUPS: dict[str, tuple[Callable[[], Optional[str]], str]] = {
                             "three, with chunk/states.cu)"),
     "decay-grad": (_drive_decay_grad, "chunk/decay_grad.cu (BV 32 and 64, KMAX 256) + chunk/decay_grad_sum.cu"),
     "decay-grad-f32": (_drive_decay_grad_f32, "chunk/decay_grad_f32.cu (exact and tf32; BV 32 and 64, row slices, "
-                                              "KMAX 64, 128, 256, element loader) + chunk/decay_grad_sum.cu"),
+                                              "KMAX 64, 128, 256, element loader), on Hopper chunk/decay_grad_tf32.cu "
+                                              "(tf32, KMAX 64 and 128) + chunk/decay_grad_sum.cu"),
     "dq-dlog": (_drive_dq_dlog, "chunk/fwd16.cu DLOG (dlog(gamma) in the backward's dq pass, bf16 and fp16 wgmma; one "
                                 "segment, three, two of two slots, with chunk/states.cu DLOG; the Z split's 128-wide "
                                 "pass and its DUAL dk/dv pass) + chunk/decay_grad_sum.cu"),

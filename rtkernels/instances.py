@@ -3,7 +3,7 @@ with: what ``rtkernels compile`` puts in the disk cache ahead of the first call,
 compile test compiles.
 
 A request is ``(source under cuda_src/, template name expression, extra compiler options)``; the
-wgmma instances (forward and states pass) carry ``-arch=sm_90a`` (they run on compute capability
+wgmma instances (forward, states pass, the float32 dlog(gamma) kernel) carry ``-arch=sm_90a`` (they run on compute capability
 9.0 only), every other instance compiles for the GPU's own architecture.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .decode import instances as _decode_instances
 from .methods import kernel_instances as _method_instances
-from .methods.chunk.plan import instance_options as _chunk_options
+from .methods.chunk import instance_options as _chunk_options
 from .normalize_op import instances as _normalize_instances
 
 __all__ = ["by_source", "requests"]

@@ -17,6 +17,7 @@ from inputs import backward_inputs
 from reference import reference
 from rtkernels import decay_grad
 from rtkernels.decay import LogDecay
+from rtkernels.methods import chunk
 
 F64 = torch.float64
 #: One head per decay: forgets at once, halves, keeps almost everything, keeps everything.
@@ -195,6 +196,31 @@ def test_f32_configs_cover_every_head_size():
             assert 2 * (smem + 1024) <= 228 * 1024, (kmax, bv, stages)
     assert decay_grad.name_expression_f32((128, 64, 2, 1, True, False)) == \
         "rtk_chunk_decay_grad_f32<128, 64, 2, 1, true, false>"
+
+
+def test_tf32_mode_on_hopper_takes_the_wgmma_kernel():
+    """The float32 "tf32" mode on an sm_90a GPU with 16-byte aligned rows and Dk <= 128 runs
+    rtk_chunk_decay_grad_tf32 (KMAX 64 with 128 value columns a CTA, KMAX 128 with 64), compiled
+    with the sm_90a option; the "exact" mode, unaligned rows, Dk > 128 and GPUs without wgmma keep
+    the mma.sync kernel; every instance it names is one the compile test compiles, and its shared
+    memory (dynamic + 2,352 bytes static) fits a CTA."""
+    f32 = torch.float32
+    names = set(chunk.instances()[decay_grad.SOURCE_TF32])
+    for dk in range(1, 129):
+        for dv in (1, 40, 64, 65, 128, 300):
+            source, name, bv, slices, smem, options = decay_grad._plan(f32, dk, dv, True, False, False, False, True)
+            kmax = 64 if dk <= 64 else 128
+            assert (source, name, bv, slices) == (decay_grad.SOURCE_TF32, f"rtk_chunk_decay_grad_tf32<{kmax}>",
+                                                  128 * 64 // kmax, 1)
+            assert name in names and options == chunk.WGMMA_OPTIONS and smem == decay_grad.smem_bytes_tf32(kmax)
+            assert chunk.instance_options()[name] == chunk.WGMMA_OPTIONS
+            assert smem + 2352 <= 227 * 1024
+    for args in ((f32, 128, 128, True, False, True, False, True),   # exact
+                 (f32, 128, 128, False, False, False, False, True),  # unaligned rows
+                 (f32, 200, 128, True, False, False, False, True),   # Dk > 128
+                 (f32, 128, 128, True, False, False, False, False),  # no wgmma
+                 (torch.bfloat16, 128, 128, True, False, False, False, True)):
+        assert decay_grad._plan(*args)[0] != decay_grad.SOURCE_TF32, args
 
 
 def test_cpu_kernel_backward_keeps_the_torch_formula(monkeypatch):

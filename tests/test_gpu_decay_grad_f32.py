@@ -16,6 +16,8 @@ import rtkernels
 import rtkernels.methods.chunk.backward as kb
 from graphs import assert_replays_like_eager
 from rtkernels.decay import LogDecay
+from rtkernels.methods.chunk import override
+from rtkernels.methods.chunk import plan as chunk_plan
 from rtkernels.methods.chunk import decay_grad
 from test_gpu_decay_grad import _want as _want_of
 from tolerances import REL_FRO
@@ -148,6 +150,12 @@ def test_layouts_and_loaders_give_the_same_bits(mode):
 
     uq = unaligned(q)
     assert uq.data_ptr() % 16 != 0
+    if mode == "tf32" and _wgmma():
+        # aligned rows take the wgmma kernel, unaligned ones the mma.sync kernel: the same loader
+        # and bits where wgmma is off, the mode's tolerance between the two kernels
+        _check(mode, _got(mode, uq, k, v, grad, s0, g_state), base, _magnitude(q, k, v, grad, s0, g_state))
+        with override(wgmma=False):
+            base = _got(mode, q, k, v, grad, s0, g_state)
     assert torch.equal(_got(mode, uq, k, v, grad, s0, g_state), base)
     assert torch.equal(_got(mode, *(unaligned(x) for x in (q, k, v, grad)), s0, g_state), base)
 
@@ -167,6 +175,28 @@ def test_nan_reaches_its_head_only(mode, which):
     others = torch.tensor([h != 1 for h in range(len(GAMMAS))], device="cuda")
     assert (not torch.isfinite(got[1])) if which == "inf" else torch.isnan(got[1])
     assert torch.equal(got[others], clean[others])
+
+
+def _wgmma() -> bool:
+    """Whether this GPU runs the "tf32" mode's wgmma kernel (rtk_chunk_decay_grad_tf32)."""
+    return chunk_plan._wgmma_ok(torch.cuda.current_device(), chunk_plan.current_overrides())
+
+
+@pytest.mark.parametrize("kernel", ["wgmma", "mma.sync"])
+@pytest.mark.parametrize("sizes", [(40, 72), (64, 200), (128, 128), (100, 37)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("n", (65, 1000))
+def test_tf32_mode_both_kernels(n, sizes, kernel):
+    """The "tf32" mode with aligned rows and Dk <= 128: on Hopper the wgmma kernel (KMAX 64 with 128
+    value columns a CTA, KMAX 128 with 64; partial tiles) and, with wgmma off, the mma.sync kernel
+    that other GPUs run; both against fp64, non-negative and normal inputs, states in and out."""
+    if kernel == "wgmma" and not _wgmma():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    dk, dv = sizes
+    with override(wgmma=kernel == "wgmma"):
+        for positive in (True, False):
+            x = _inputs(n, dk, dv, positive, 7 * n + dk)
+            _check("tf32", _got("tf32", *x), _want_of(*x, gammas=GAMMAS), None if positive else _magnitude(*x),
+                   f"{kernel} n={n} {sizes} positive={positive}")
 
 
 def test_tf32_name_is_the_tf32_mode():

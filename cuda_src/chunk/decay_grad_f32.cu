@@ -166,17 +166,10 @@ rtk_chunk_decay_grad_f32(const float* __restrict__ q, const float* __restrict__ 
   frag.load(s_acc, init_state);
   rtk_frag_zero(w_acc);
 
-  // The token weights in fp32: wtab[0] for full chunks, wtab[1] for a shorter last one, rows A1',
-  // A2', D2', D1 (rtk_dg_weight); the constants of rtk_dg_constants. The chunk loop's first
-  // barrier publishes them.
+  // the token weights and constants (rtk_dg_tables_f32); the chunk loop's first barrier publishes them
   __shared__ float wtab[2][4][C];
   __shared__ float dtab[C], wconst[4];
-  const float log2n1 = rtk_dg_constants(tid, lg2, N, nchunks, wconst, dtab);
-  if (tid < 2 * C) {
-    const int t = tid % C, len = tid < C ? C : N - (nchunks - 1) * C;
-    #pragma unroll 1
-    for (int row = 0; row < 4; ++row) wtab[tid / C][row][t] = rtk_dg_weight(row, t, len, lg2, log2n1);
-  }
+  rtk_dg_tables_f32(tid, lg2, N, nchunks, wtab, wconst, dtab);
 
   float acc1 = 0.f, acc2 = 0.f, acci = 0.f;  // sum <S, A1'>, sum <W, A2'>, the intra term
   const int kt_used = (Dk + 7) >> 3, vt_used = (dv_here + 7) >> 3;

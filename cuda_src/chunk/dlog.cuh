@@ -135,6 +135,21 @@ __device__ __forceinline__ float rtk_dg_constants(int tid, float lg2, int N, int
   return log2n1;
 }
 
+// The float32 kernels' tables (rtk_dg_constants' and the fp32 token weights: wtab[0] for full
+// chunks, wtab[1] for a shorter last one, rows A1', A2', D2', D1 of rtk_dg_weight), by the CTA's
+// first 2 C threads. Returns log2(n1); the caller's first barrier publishes them.
+__device__ __forceinline__ float rtk_dg_tables_f32(int tid, float lg2, int N, int nchunks, float (*wtab)[4][64],
+                                                   float* wconst, float* dtab) {
+  constexpr int C = 64;
+  const float log2n1 = rtk_dg_constants(tid, lg2, N, nchunks, wconst, dtab);
+  if (tid < 2 * C) {
+    const int t = tid % C, len = tid < C ? C : N - (nchunks - 1) * C;
+    #pragma unroll 1
+    for (int row = 0; row < 4; ++row) wtab[tid / C][row][t] = rtk_dg_weight(row, t, len, lg2, log2n1);
+  }
+  return log2n1;
+}
+
 // <x[:, n0 .. n0 + NG - 1], y> over fragments (fp32): y holds the NG n-tiles of x from n0 on (n0
 // a constant after unrolling, so x stays in registers).
 template <int MT, int NT, int NG>

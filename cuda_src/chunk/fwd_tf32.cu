@@ -44,11 +44,8 @@ struct rtk_tf32_smem {
   static constexpr int QB = C * KMAX * 4, Q = 0, K = QB, VT = 2 * QB, STAGE = 2 * QB + BV * C * 4;
   static constexpr int S = 2 * STAGE, SB = BV * KMAX * 4, RING = S + 2 * SB;
   static constexpr int BYTES = RING + 8 + 1024;  // + slack to align the base to 1024 bytes
-  // float column c of row r in a swizzled K-major tile of `rows` rows (rtk_swz_off's layout, in bytes)
-  static __device__ __forceinline__ int off(int rows, int r, int c) {
-    return (c >> 5) * (rows * 128) + r * 128 + ((((c >> 2) & 7) ^ (r & 7)) << 4) + ((c & 3) << 2);
-  }
-  static __device__ __forceinline__ int key_col(int s) { return (s & ~7) | ((s & 1) << 2) | ((s & 7) >> 1); }
+  static __device__ __forceinline__ int off(int rows, int r, int c) { return rtk_swz_off32(rows, r, c); }
+  static __device__ __forceinline__ int key_col(int s) { return rtk_tf32_key_col(s); }
 };
 
 template <int KMAX, int BV>
@@ -77,16 +74,10 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
   auto copy_s = [&](int slot) { return base + L::S + slot * L::SB; };
 
   // ---- the state threads' pieces (st = tid - 128): q/k rows qr + QROWS u at column qc (16 bytes);
-  // v^T elements (4 bytes): copy u of a warp covers value columns 8 (u % 8) + (lane % 8) and keys
-  // 8 j + 2 (lane / 8) + par (j, par from the warp and u / 8), 4 keys of one 16-byte piece of v^T's
-  // rows: 32 different banks, and 4 full 32-byte sectors of v
+  // v^T elements (4 bytes) as rtk_tf32_vt_elem spreads them over the banks
   const int st = tid - 128, qr = st / QP, qc = (st % QP) * 4;
   const int qbytes = max(0, min(16, (Dk - qc) * 4));
-  auto v_elem = [&](int u, int& s, int& d) {  // key s and value column d of copy u
-    const int tg = 4 * (st >> 5) + (u >> 3);  // 4 keys: 8 (tg / 2) + 2 i + tg % 2, i = lane / 8
-    s = 8 * (tg >> 1) + 2 * ((st & 31) >> 3) + (tg & 1);
-    d = 8 * (u & 7) + (st & 7);
-  };
+  auto v_elem = [&](int u, int& s, int& d) { rtk_tf32_vt_elem<BV, 4>(st, u, s, d); };
   auto load_chunk = [&](int chunk, int stage) {
     const int n0 = chunk * C;
     #pragma unroll

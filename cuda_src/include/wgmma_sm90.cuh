@@ -16,6 +16,28 @@ __device__ __forceinline__ int rtk_swz_off(int rows, int row, int piece) {
   return (piece >> 3) * (rows * 64) + row * 64 + (((piece & 7) ^ (row & 7)) << 3);
 }
 
+// The same layout in bytes for 32-bit elements (TF32 operands): float column c of row r, regions of
+// 32 columns.
+__device__ __forceinline__ int rtk_swz_off32(int rows, int r, int c) {
+  return (c >> 5) * (rows * 128) + r * 128 + ((((c >> 2) & 7) ^ (r & 7)) << 4) + ((c & 3) << 2);
+}
+
+// Where key s of a chunk sits in a K-major TF32 operand whose A side comes from an accumulator: a
+// TF32 A fragment has columns t4, t4 + 4 where an m64nNk8 accumulator holds columns 2 t4, 2 t4 + 1,
+// so key s is stored at column (s & ~7) | 4 (s & 1) | ((s & 7) >> 1) of each 8.
+__device__ __forceinline__ int rtk_tf32_key_col(int s) { return (s & ~7) | ((s & 1) << 2) | ((s & 7) >> 1); }
+
+// Copy u of thread t (NW warps) into a transposed tile (BV rows = value columns, 64 keys stored at
+// rtk_tf32_key_col, rtk_swz_off32's layout), element by element: key s and value column d. A warp's
+// copy covers 8 consecutive columns and 4 keys, which land in 32 different banks, and reads 4
+// 32-byte sectors of the row-major source. BV * 64 / (32 NW) copies a thread.
+template <int BV, int NW>
+__device__ __forceinline__ void rtk_tf32_vt_elem(int t, int u, int& s, int& d) {
+  const int tg = (16 / NW) * (t >> 5) + u / (BV / 8);  // 4 keys: 8 (tg / 2) + 2 i + tg % 2, i = lane / 8
+  s = 8 * (tg >> 1) + 2 * ((t & 31) >> 3) + (tg & 1);
+  d = 8 * (u % (BV / 8)) + (t & 7);
+}
+
 // Shared-memory matrix descriptor, 128-byte swizzle. lbo/sbo in bytes.
 __device__ __forceinline__ unsigned long long rtk_wg_desc(rtk_u32 saddr, rtk_u32 lbo, rtk_u32 sbo) {
   return (unsigned long long)((saddr & 0x3FFFF) >> 4) | ((unsigned long long)((lbo >> 4) & 0x3FFF) << 16) |

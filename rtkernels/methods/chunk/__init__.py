@@ -39,6 +39,7 @@ value tile, forward and backward).
 
 from . import decay_grad
 from .launch import ChunkLaunch, kernel_forward, kernel_prepare
+from .plan import instance_options as _fwd_options
 from .plan import instances as _fwd_instances
 from .plan import (CHUNK_KERNEL, F32_SOURCE, FWD16_SOURCE, TF32_WG_SOURCE, MAX_DIM, MAX_VALUE_DIM, MODE_FOLD, MODE_FUSED, MODE_STATES,
                    SEG_SCAN_SOURCE, SMEM_LIMIT_SM90, SMEM_LIMITS_OTHER, STATES_SOURCE, TUNE_SPACE, WGMMA_OPTIONS,
@@ -50,7 +51,7 @@ from .plan import (CHUNK_KERNEL, F32_SOURCE, FWD16_SOURCE, TF32_WG_SOURCE, MAX_D
 from .torch_path import CHUNK, torch_forward
 
 __all__ = [
-    "torch_forward", "kernel_supports", "kernel_forward", "kernel_prepare", "ChunkLaunch", "TUNE_SPACE",
+    "torch_forward", "instance_options", "kernel_supports", "kernel_forward", "kernel_prepare", "ChunkLaunch", "TUNE_SPACE",
     "tuned_launch", "instances", "plan_launch", "Launch", "Overrides", "override", "current_overrides", "kernel_config",
     "all_configs", "name_expression", "states_config", "states_name", "states_smem_bytes", "smem_bytes",
     "f32_config", "f32_smem_bytes", "f32_stages", "f32_threads", "config_smem", "ctas_per_sm", "segments_for",
@@ -60,10 +61,18 @@ __all__ = [
 ]
 
 
+def instance_options() -> dict[str, tuple[str, ...]]:
+    """The compiler options of the instances that need any (the wgmma ones: sm_90a code), by name
+    expression: the forward and states passes' (:func:`.plan.instance_options`) and the dlog(gamma)
+    kernel's."""
+    return {**_fwd_options(), **decay_grad.instance_options()}
+
+
 def instances() -> dict[str, list[str]]:
     """Every template instance the chunk method can ask for, by source: the forward kernels
     (:func:`.plan.instances`) and the backward's dlog(gamma) kernel (the CI compile test)."""
     return {**_fwd_instances(),
             decay_grad.SOURCE: [decay_grad.name_expression(c) for c in decay_grad.all_configs()],
             decay_grad.SOURCE_F32: [decay_grad.name_expression_f32(c) for c in decay_grad.all_configs_f32()],
+            decay_grad.SOURCE_TF32: [decay_grad.name_expression_tf32(kmax) for kmax in (64, 128)],
             decay_grad.SUM_SOURCE: [decay_grad.SUM_KERNEL]}

@@ -81,16 +81,19 @@ import torch
 from ...decay import LogDecay
 from ...jit import dtype_code, get_function, launch
 from .._launch import fwd_tail, unit_stride
-from .plan import _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config, dlog_launch, dual_launch, fuses_dk_dv
+from .plan import WGMMA_OPTIONS, _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config, dlog_launch, dual_launch, fuses_dk_dv
 
-__all__ = ["SOURCE", "SOURCE_F32", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "kernel_config_f32",
+__all__ = ["SOURCE", "SOURCE_F32", "SOURCE_TF32", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "kernel_config_f32",
            "all_configs", "all_configs_f32", "name_expression", "name_expression_f32", "smem_bytes", "smem_bytes_f32",
+           "tf32_wg_kmax", "name_expression_tf32", "smem_bytes_tf32", "instance_options",
            "kernel_log_decay_grad", "kernel_log_decay_grad_tf32",
            "dq_pass_sums", "dq_pass_partials", "sum_partials", "PartialSums", "torch_w_recurrence"]
 
 SOURCE = "chunk/decay_grad.cu"
 #: The float32 kernel (TF32 tensor cores; 3xTF32 in the "exact" mode).
 SOURCE_F32 = "chunk/decay_grad_f32.cu"
+#: The float32 kernel of the "tf32" mode on Hopper (TF32 wgmma, sm_90a code).
+SOURCE_TF32 = "chunk/decay_grad_tf32.cu"
 #: The kernel that sums the partial sums per head (and applies the decay's chain rule).
 SUM_SOURCE, SUM_KERNEL = "chunk/decay_grad_sum.cu", "rtk_chunk_decay_grad_sum"
 #: Tokens per chunk (the kernel's and :func:`torch_w_recurrence`'s).
@@ -163,15 +166,41 @@ def smem_bytes_f32(kmax: int, bv: int, stages: int) -> int:
     return stages * 4 * CHUNK * (2 * kmax + 2 * bv)
 
 
+def tf32_wg_kmax(dk: int) -> int:
+    """KMAX of ``rtk_chunk_decay_grad_tf32`` (``cuda_src/chunk/decay_grad_tf32.cu``) for Dk <= 128:
+    64 or 128; its value tile is 128 * 64 / KMAX columns wide (each warpgroup a 64 x 64 block of
+    the state)."""
+    return 64 if dk <= 64 else 128
+
+
+def name_expression_tf32(kmax: int) -> str:
+    return f"rtk_chunk_decay_grad_tf32<{kmax}>"
+
+
+def smem_bytes_tf32(kmax: int) -> int:
+    """Dynamic shared memory of ``rtk_chunk_decay_grad_tf32`` (mirrors rtk_dgt_smem): two stages of
+    q, k (64 x KMAX) and v^T, do^T (BV x 64) in fp32, and the 1024-byte alignment slack."""
+    return 4 * 2 * (2 * CHUNK * kmax + 2 * (128 * 64 // kmax) * CHUNK) + 1024
+
+
+def instance_options() -> dict[str, tuple[str, ...]]:
+    """The compiler options of the dlog(gamma) instances that need any (the wgmma ones), by name."""
+    return {name_expression_tf32(kmax): WGMMA_OPTIONS for kmax in (64, 128)}
+
+
 @functools.lru_cache(maxsize=256)
 def _plan(dtype: torch.dtype, dk: int, dv: int, vec: bool, few_ctas: bool = False, exact: bool = True,
-          fewer_ctas: bool = False) -> tuple[str, str, int, int, int]:
-    """(source, name expression, BV, row slices, dynamic shared memory)."""
+          fewer_ctas: bool = False, wgmma: bool = False) -> tuple[str, str, int, int, int, tuple[str, ...]]:
+    """(source, name expression, BV, row slices, dynamic shared memory, compiler options).
+    ``wgmma``: the GPU runs sm_90a code (and the plan's overrides allow it)."""
+    if dtype == torch.float32 and wgmma and not exact and vec and dk <= 128:
+        kmax = tf32_wg_kmax(dk)
+        return SOURCE_TF32, name_expression_tf32(kmax), 128 * 64 // kmax, 1, smem_bytes_tf32(kmax), WGMMA_OPTIONS
     if dtype == torch.float32:
         kmax, bv, stages, slices, *_ = config = kernel_config_f32(dk, dv, vec, exact, few_ctas, fewer_ctas)
-        return SOURCE_F32, name_expression_f32(config), bv, slices, smem_bytes_f32(kmax, bv, stages)
+        return SOURCE_F32, name_expression_f32(config), bv, slices, smem_bytes_f32(kmax, bv, stages), ()
     config = kernel_config(dtype, dk, dv, vec, few_ctas)
-    return SOURCE, name_expression(config), config[2], 1, smem_bytes(config[1], config[2])
+    return SOURCE, name_expression(config), config[2], 1, smem_bytes(config[1], config[2]), ()
 
 
 def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: LogDecay, scale: float,
@@ -198,8 +227,9 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     sms, f32 = _sm_count(dev), q.dtype == torch.float32
     few = b * h * -(-dv // 64) * (2 if f32 else 1) <= sms  # CTAs with 64-wide value tiles
     fewer = f32 and b * h * -(-dv // 32) * 2 <= sms        # with 32-wide ones
-    source, name, bv, slices, smem = _plan(q.dtype, dk, dv, vec, few, fp32_precision == "exact", fewer)
-    fn = get_function(source, name, dev, dynamic_smem=smem)
+    wgmma = f32 and _wgmma_ok(dev, current_overrides())
+    source, name, bv, slices, smem, options = _plan(q.dtype, dk, dv, vec, few, fp32_precision == "exact", fewer, wgmma)
+    fn = get_function(source, name, dev, extra_options=options, dynamic_smem=smem)
     tiles = -(-dv // bv)
     s0, g = (None if x is None else x.to(torch.float32).contiguous() for x in (initial_state, grad_state))
     decay, mode = log_decay.kernel_arg()
