@@ -15,9 +15,10 @@
 //   value columns, so the two shares add up to the causal block's sum.
 // TF32 wgmma reads shared-memory operands K-major only, so v and do are stored transposed (4-byte
 // cp.async, rtk_tf32_vt_elem) with keys at rtk_tf32_key_col, which lets P~'s accumulator be P~ v's A
-// operand; each thread rounds the elements it copied to TF32. q and k are read raw by q k^T (the
-// tensor cores use their top 10 mantissa bits). Two stages: chunk c + 1 loads while c is computed,
-// one CTA barrier a chunk. NaN in, NaN out: every product reaches the sum.
+// operand. Each thread rounds what it copied to TF32 in place (cvt.rna: the tensor cores would
+// truncate, a bias the fp64 checks see at gamma 0.9, where the intra term dominates); the weighted
+// A fragments and P~, just multiplied, by rtk_tf32_operand. Two stages: chunk c + 1 loads while c is
+// computed, one CTA barrier a chunk. NaN in, NaN out: every product reaches the sum.
 
 #include "../include/copy.cuh"
 #include "../include/params.cuh"
@@ -104,8 +105,16 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
       }
     }
   };
-  // this thread's v^T and do^T elements of a landed stage, rounded to TF32 in place
+  // this thread's pieces of a landed stage, rounded to TF32 in place (q k^T reads q and k from
+  // shared memory: truncated, they would bias every score by about -7e-4)
   auto round_chunk = [&](int stage) {
+    #pragma unroll
+    for (int u = 0; u < C / QROWS; ++u)
+      #pragma unroll
+      for (int which = L::Q; which <= L::K; which += L::K - L::Q) {
+        float4& x = reinterpret_cast<float4&>(at(which, stage, qo + u * QROWS * 128));
+        x = make_float4(rtk_round_tf32(x.x), rtk_round_tf32(x.y), rtk_round_tf32(x.z), rtk_round_tf32(x.w));
+      }
     #pragma unroll
     for (int h = 0; h < 2; ++h)
       #pragma unroll
@@ -133,7 +142,7 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
   // block as A rows, tokens as A columns in v^T's key order), y^T = do^T or v^T (columns c0..).
   auto products = [&](float (&x1)[32], float (&x2)[32], rtk_u32 xs, const float* w_a, const float* w_b,
                       unsigned long long dy) {
-    const rtk_u32 wsa = rtk_smem_addr(w_a), wsb = rtk_smem_addr(w_b);
+    const unsigned char* x = sm + (xs - base);
     rtk_u32 a[2][2][4];  // two k-step sets: k-step kk + 1's fragments form while kk's wgmma runs
     const int m = r0 + 16 * w4 + g;  // tokens 8 kk + 2 t4 (+ 1): kk moves the offsets by 1024 kk
     const int o00 = rtk_swz_off32(C, 2 * t4, m), o01 = rtk_swz_off32(C, 2 * t4, m + 8);
@@ -141,14 +150,17 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
     #pragma unroll
     for (int kk = 0; kk < C / 8; ++kk) {
       const int s0 = 8 * kk + 2 * t4, s1 = s0 + 1;
-      const float x00 = rtk_lds32(xs + o00 + 1024 * kk), x01 = rtk_lds32(xs + o01 + 1024 * kk);
-      const float x10 = rtk_lds32(xs + o10 + 1024 * kk), x11 = rtk_lds32(xs + o11 + 1024 * kk);
-      const float a0 = rtk_lds32(wsa + 4 * s0), a1 = rtk_lds32(wsa + 4 * s1);
-      const float b0 = rtk_lds32(wsb + 4 * s0), b1 = rtk_lds32(wsb + 4 * s1);
+      const float x00 = *reinterpret_cast<const float*>(x + o00 + 1024 * kk);
+      const float x01 = *reinterpret_cast<const float*>(x + o01 + 1024 * kk);
+      const float x10 = *reinterpret_cast<const float*>(x + o10 + 1024 * kk);
+      const float x11 = *reinterpret_cast<const float*>(x + o11 + 1024 * kk);
+      const float a0 = w_a[s0], a1 = w_a[s1], b0 = w_b[s0], b1 = w_b[s1];
       rtk_u32 (&fa)[4] = a[kk & 1][0];
       rtk_u32 (&fb)[4] = a[kk & 1][1];
-      fa[0] = rtk_tf32(x00 * a0), fa[1] = rtk_tf32(x01 * a0), fa[2] = rtk_tf32(x10 * a1), fa[3] = rtk_tf32(x11 * a1);
-      fb[0] = rtk_tf32(x00 * b0), fb[1] = rtk_tf32(x01 * b0), fb[2] = rtk_tf32(x10 * b1), fb[3] = rtk_tf32(x11 * b1);
+      fa[0] = rtk_tf32_operand(x00 * a0), fa[1] = rtk_tf32_operand(x01 * a0);
+      fa[2] = rtk_tf32_operand(x10 * a1), fa[3] = rtk_tf32_operand(x11 * a1);
+      fb[0] = rtk_tf32_operand(x00 * b0), fb[1] = rtk_tf32_operand(x01 * b0);
+      fb[2] = rtk_tf32_operand(x10 * b1), fb[3] = rtk_tf32_operand(x11 * b1);
       rtk_wg_fence();
       rtk_wgmma_tf32_rs(x1, fa, rtk_desc_at(dy, rtk_kmajor_step(BV, kk)), kk);
       rtk_wgmma_tf32_rs(x2, fb, rtk_desc_at(dy, rtk_kmajor_step(BV, kk)), kk);
@@ -222,10 +234,10 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
         }
       #pragma unroll
       for (int j = 0; j < NT; ++j) {  // keys 2 t4, 2 t4 + 1 of n-tile j as A columns t4, t4 + 4
-        fa[j][0] = rtk_tf32(pr[j][0]);
-        fa[j][1] = rtk_tf32(pr[j][2]);
-        fa[j][2] = rtk_tf32(pr[j][1]);
-        fa[j][3] = rtk_tf32(pr[j][3]);
+        fa[j][0] = rtk_tf32_operand(pr[j][0]);
+        fa[j][1] = rtk_tf32_operand(pr[j][2]);
+        fa[j][2] = rtk_tf32_operand(pr[j][1]);
+        fa[j][3] = rtk_tf32_operand(pr[j][3]);
       }
       float ro[32];
       rtk_wg_fence();

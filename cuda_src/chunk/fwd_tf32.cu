@@ -12,7 +12,8 @@
 // 2 t4, 2 t4 + 1 of each 8 where a TF32 A fragment has columns t4, t4 + 4, so key s sits at v^T
 // column (s & ~7) | 4 (s & 1) | ((s & 7) >> 1), and the state update's A fragments (k^T) follow.
 // The tensor cores ignore a TF32 operand's 13 low bits: q and k are read raw (truncated); P, k w,
-// v (in place, with the check for Inf/NaN) and the S copy are rounded to nearest.
+// v (in place, with the check for Inf/NaN) and the S copy are rounded to nearest; P and k w, just
+// multiplied, by adding half an ulp to their bits (rtk_tf32_operand: one instruction, not three).
 //
 // S = gamma^len S (gamma^len in double, rounded once), then += (k w)^T v on the tensor cores, the
 // k-steps pipelined. NaN in, NaN out: a chunk whose v holds Inf/NaN takes P v by FMAs over the
@@ -109,8 +110,10 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
       int s, d;
       v_elem(u, s, d);
       float* x = reinterpret_cast<float*>(sm + tile_vt(stage) - base + L::off(BV, d, L::key_col(s)));
-      bad |= rtk_nonfinite(*x);
-      *x = rtk_round_tf32(*x);
+      const float y = *x;
+      const bool nf = rtk_nonfinite(y);  // kept as it is (rtk_tf32_operand's add needs a finite value)
+      bad |= nf;
+      *x = nf ? y : __uint_as_float(__float_as_uint(y) + 0x1000u);
     }
     return bad;
   };
@@ -160,10 +163,10 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
         rtk_u32 a[8][4];
         #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          a[j][0] = rtk_tf32(pr[j][0]);
-          a[j][1] = rtk_tf32(pr[j][2]);
-          a[j][2] = rtk_tf32(pr[j][1]);
-          a[j][3] = rtk_tf32(pr[j][3]);
+          a[j][0] = rtk_tf32_operand(pr[j][0]);
+          a[j][1] = rtk_tf32_operand(pr[j][2]);
+          a[j][2] = rtk_tf32_operand(pr[j][1]);
+          a[j][3] = rtk_tf32_operand(pr[j][3]);
         }
         rtk_wg_fence();
         #pragma unroll
@@ -175,7 +178,9 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
         // rare: Inf/NaN in this chunk's v. P v by FMAs over the cleaned values (key s's scores come
         // from the lane that holds them), then NaN where the causal sum reaches a non-finite v_s
         const float* vt = reinterpret_cast<const float*>(sm + tile_vt(stage) - base);
-        auto vt_at = [&](int col, int s) { return vt[L::off(BV, col, L::key_col(s)) >> 2]; };
+        auto vt_at = [&](int col, int s) {  // the rounded value (the stored bits carry half an ulp more)
+          return __uint_as_float(__float_as_uint(vt[L::off(BV, col, L::key_col(s)) >> 2]) & 0xffffe000u);
+        };
         #pragma unroll
         for (int j = 0; j < 8; ++j)
           #pragma unroll
@@ -240,10 +245,10 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           const int m = 64 * mt + 16 * sw + g;
-          a[kk & 1][mt][0] = rtk_tf32(*reinterpret_cast<const float*>(kt + L::off(C, s0, m)) * w0);
-          a[kk & 1][mt][1] = rtk_tf32(*reinterpret_cast<const float*>(kt + L::off(C, s0, m + 8)) * w0);
-          a[kk & 1][mt][2] = rtk_tf32(*reinterpret_cast<const float*>(kt + L::off(C, s1, m)) * w1);
-          a[kk & 1][mt][3] = rtk_tf32(*reinterpret_cast<const float*>(kt + L::off(C, s1, m + 8)) * w1);
+          a[kk & 1][mt][0] = rtk_tf32_operand(*reinterpret_cast<const float*>(kt + L::off(C, s0, m)) * w0);
+          a[kk & 1][mt][1] = rtk_tf32_operand(*reinterpret_cast<const float*>(kt + L::off(C, s0, m + 8)) * w0);
+          a[kk & 1][mt][2] = rtk_tf32_operand(*reinterpret_cast<const float*>(kt + L::off(C, s1, m)) * w1);
+          a[kk & 1][mt][3] = rtk_tf32_operand(*reinterpret_cast<const float*>(kt + L::off(C, s1, m + 8)) * w1);
         }
         rtk_wg_fence();
         #pragma unroll

@@ -17,13 +17,6 @@ __device__ __forceinline__ void rtk_cp_async16(rtk_u32 dst, const void* src, int
 __device__ __forceinline__ void rtk_cp_async4(rtk_u32 dst, const void* src, int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-// A 4-byte shared-memory load kept in program order with the other volatile asm (e.g. after the
-// wgmma wait it feeds): the compiler neither hoists a loop's loads ahead nor holds them in registers.
-__device__ __forceinline__ float rtk_lds32(rtk_u32 addr) {
-  float x;
-  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(x) : "r"(addr) : "memory");
-  return x;
-}
 __device__ __forceinline__ void rtk_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void rtk_cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");

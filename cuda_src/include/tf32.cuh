@@ -15,6 +15,18 @@ __device__ __forceinline__ rtk_u32 rtk_tf32(float x) {
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return r;
 }
+// x rounded to TF32 for a tensor-core operand: the bits plus half a TF32 ulp, whose 13 low bits the
+// tensor cores do not read, so they see x rounded to nearest, ties away, as cvt.rna gives it (three
+// instructions on sm_90; this is one VIADDMNMX). The max with the bits keeps the canonical NaN
+// 0x7FFFFFFF, which the add would carry into the sign bit: that is the NaN an fp32 multiply makes,
+// so use it on values just multiplied; raw inputs and tensor-core results, whose NaN may carry any
+// sign and payload, take rtk_tf32. An Inf becomes a NaN. (An asm like cvt: the compiler keeps the
+// fragment registers apart from accumulators wgmma may still read.)
+__device__ __forceinline__ rtk_u32 rtk_tf32_operand(float x) {
+  rtk_u32 r;
+  asm("{\n.reg .s32 t;\nadd.s32 t, %1, 4096;\nmax.s32 %0, t, %1;\n}" : "=r"(r) : "r"(__float_as_uint(x)));
+  return r;
+}
 // The same as a float (for an operand stored back to shared memory).
 __device__ __forceinline__ float rtk_round_tf32(float x) { return __uint_as_float(rtk_tf32(x)); }
 // x = hi + lo for the 3xTF32 products, in 2 instructions: hi = x truncated to tf32 (clear the 13
