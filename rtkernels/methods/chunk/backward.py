@@ -34,7 +34,8 @@ sequence), else it is one more kernel where the passes run the chunk kernel:
 :func:`rtkernels.methods.chunk.decay_grad.kernel_log_decay_grad`, which carries W = dS/dlog(gamma)
 forward with the state, chunk by chunk, and sums non-negative-weight terms only (its module
 docstring has the math): ``cuda_src/chunk/decay_grad.cu`` on 16-bit operands,
-``cuda_src/chunk/decay_grad_f32.cu`` on float32 ones in the forward's ``fp32_precision`` mode.
+``cuda_src/chunk/decay_grad_f32.cu`` on float32 ones in the forward's ``fp32_precision`` mode (on
+Hopper, "tf32" with aligned rows and Dk <= 128: ``cuda_src/chunk/decay_grad_tf32.cu``, wgmma).
 Elsewhere, the chunked four-term formula of :func:`rtkernels.autograd.log_decay_grad` in torch
 operations, shared with the torch backward. (The
 identity dlog(gamma) = sum_i i q_i . dq_i - sum_j j k_j . dk_j + ... is exact but subtracts two
