@@ -3,8 +3,9 @@ with: what ``rtkernels compile`` puts in the disk cache ahead of the first call,
 compile test compiles.
 
 A request is ``(source under cuda_src/, template name expression, extra compiler options)``; the
-wgmma instances (forward, states pass, the float32 dlog(gamma) kernel) carry ``-arch=sm_90a`` (they run on compute capability
-9.0 only), every other instance compiles for the GPU's own architecture.
+wgmma instances (forward, states pass, the float32 dlog(gamma) kernel) carry ``-arch=sm_90a``
+(they run on compute capability 9.0 only), every other instance compiles for the GPU's own
+architecture.
 """
 
 from __future__ import annotations

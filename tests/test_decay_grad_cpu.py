@@ -212,6 +212,7 @@ def test_tf32_mode_on_hopper_takes_the_wgmma_kernel():
             kmax = 64 if dk <= 64 else 128
             assert (source, name, bv, slices) == (decay_grad.SOURCE_TF32, f"rtk_chunk_decay_grad_tf32<{kmax}>",
                                                   128 * 64 // kmax, 1)
+            assert decay_grad.tf32_wg_kmax(dk) == kmax and decay_grad.tf32_wg_bv(kmax) == bv
             assert name in names and options == chunk.WGMMA_OPTIONS and smem == decay_grad.smem_bytes_tf32(kmax)
             assert chunk.instance_options()[name] == chunk.WGMMA_OPTIONS
             assert smem + 2352 <= 227 * 1024

@@ -92,7 +92,7 @@ from .plan import WGMMA_OPTIONS, _sm_count, _wgmma_ok, aligned, current_override
 
 __all__ = ["SOURCE", "SOURCE_F32", "SOURCE_TF32", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "kernel_config_f32",
            "all_configs", "all_configs_f32", "name_expression", "name_expression_f32", "smem_bytes", "smem_bytes_f32",
-           "tf32_wg_kmax", "name_expression_tf32", "smem_bytes_tf32", "instance_options",
+           "tf32_wg_kmax", "tf32_wg_bv", "name_expression_tf32", "smem_bytes_tf32", "instance_options",
            "kernel_log_decay_grad", "kernel_log_decay_grad_tf32",
            "dq_pass_sums", "dq_pass_partials", "sum_partials", "PartialSums", "torch_w_recurrence"]
 
@@ -175,9 +175,14 @@ def smem_bytes_f32(kmax: int, bv: int, stages: int) -> int:
 
 def tf32_wg_kmax(dk: int) -> int:
     """KMAX of ``rtk_chunk_decay_grad_tf32`` (``cuda_src/chunk/decay_grad_tf32.cu``) for Dk <= 128:
-    64 or 128; its value tile is 128 * 64 / KMAX columns wide (each warpgroup a 64 x 64 block of
-    the state)."""
+    64 or 128 (its value tile: :func:`tf32_wg_bv`)."""
     return 64 if dk <= 64 else 128
+
+
+def tf32_wg_bv(kmax: int) -> int:
+    """Value columns of a ``rtk_chunk_decay_grad_tf32`` CTA: KMAX * BV = 128 * 64, each of its two
+    warpgroups a 64 x 64 block of the state (rtk_dgt_smem::BV)."""
+    return 128 * 64 // kmax
 
 
 def name_expression_tf32(kmax: int) -> str:
@@ -187,7 +192,7 @@ def name_expression_tf32(kmax: int) -> str:
 def smem_bytes_tf32(kmax: int) -> int:
     """Dynamic shared memory of ``rtk_chunk_decay_grad_tf32`` (mirrors rtk_dgt_smem): two stages of
     q, k (64 x KMAX) and v^T, do^T (BV x 64) in fp32, and the 1024-byte alignment slack."""
-    return 4 * 2 * (2 * CHUNK * kmax + 2 * (128 * 64 // kmax) * CHUNK) + 1024
+    return 4 * 2 * (2 * CHUNK * kmax + 2 * tf32_wg_bv(kmax) * CHUNK) + 1024
 
 
 def instance_options() -> dict[str, tuple[str, ...]]:
@@ -202,7 +207,7 @@ def _plan(dtype: torch.dtype, dk: int, dv: int, vec: bool, few_ctas: bool = Fals
     ``wgmma``: the GPU runs sm_90a code (and the plan's overrides allow it)."""
     if dtype == torch.float32 and wgmma and not exact and vec and dk <= 128:
         kmax = tf32_wg_kmax(dk)
-        return SOURCE_TF32, name_expression_tf32(kmax), 128 * 64 // kmax, 1, smem_bytes_tf32(kmax), WGMMA_OPTIONS
+        return SOURCE_TF32, name_expression_tf32(kmax), tf32_wg_bv(kmax), 1, smem_bytes_tf32(kmax), WGMMA_OPTIONS
     if dtype == torch.float32:
         kmax, bv, stages, slices, *_ = config = kernel_config_f32(dk, dv, vec, exact, few_ctas, fewer_ctas)
         return SOURCE_F32, name_expression_f32(config), bv, slices, smem_bytes_f32(kmax, bv, stages), ()
