@@ -224,7 +224,6 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
     // ---- intra part: P~ = (t - s) gamma^(t - s) P for s < t (a select above the diagonal: an Inf
     // score there must not make NaN; a product with weight 0 on it), then sum_t do_t . (P~ v)_t ----
     {
-      rtk_u32 fa[8][4];
       #pragma unroll
       for (int j = 0; j < NT; ++j)
         #pragma unroll
@@ -232,20 +231,8 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
           const int d = (16 * w4 + g + 8 * (e >> 1)) - (8 * j + 2 * t4 + (e & 1));  // t - s
           pr[j][e] = d >= 0 ? pr[j][e] * dtab[d] : 0.f;
         }
-      #pragma unroll
-      for (int j = 0; j < NT; ++j) {  // keys 2 t4, 2 t4 + 1 of n-tile j as A columns t4, t4 + 4
-        fa[j][0] = rtk_tf32_operand(pr[j][0]);
-        fa[j][1] = rtk_tf32_operand(pr[j][2]);
-        fa[j][2] = rtk_tf32_operand(pr[j][1]);
-        fa[j][3] = rtk_tf32_operand(pr[j][3]);
-      }
       float ro[32];
-      rtk_wg_fence();
-      #pragma unroll
-      for (int j = 0; j < NT; ++j) rtk_wgmma_tf32_rs(ro, fa[j], rtk_desc_at(dvt, rtk_kmajor_step(BV, j)), j);
-      rtk_wg_commit();
-      rtk_wg_wait<0>();
-      rtk_wg_pin(ro);
+      rtk_tf32_pv<false>(ro, pr, dvt, BV);
       #pragma unroll
       for (int e = 0; e < 4; ++e) {  // do[t][col]: column col + 8 nt at 1024 nt further
         const int t = 16 * w4 + g + 8 * (e >> 1), col = c0 + 2 * t4 + (e & 1);

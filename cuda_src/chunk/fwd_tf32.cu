@@ -159,21 +159,8 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
       for (int ks = 0; ks < KMAX / 8; ++ks) rtk_wgmma_tf32_ss(oa, rtk_desc_at(dq, rtk_kmajor_step(C, ks)), rtk_desc_at(ds, rtk_kmajor_step(BV, ks)), ks);
       rtk_wg_commit();
       rtk_chunk_land<1>(pr, o_acc, f_lo, f_hi, scale_scores);
-      if (!v_bad) {  // P v: P from registers (keys 2 t4, 2 t4 + 1 as A columns t4, t4 + 4), v^T K-major
-        rtk_u32 a[8][4];
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          a[j][0] = rtk_tf32_operand(pr[j][0]);
-          a[j][1] = rtk_tf32_operand(pr[j][2]);
-          a[j][2] = rtk_tf32_operand(pr[j][1]);
-          a[j][3] = rtk_tf32_operand(pr[j][3]);
-        }
-        rtk_wg_fence();
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) rtk_wgmma_tf32_rs(oa, a[j], rtk_desc_at(dvt, rtk_kmajor_step(BV, j)), 1);
-        rtk_wg_commit();
-        rtk_wg_wait<0>();
-        rtk_wg_pin(oa);
+      if (!v_bad) {
+        rtk_tf32_pv<true>(oa, pr, dvt, BV);  // P v: P from registers, v^T K-major
       } else {
         // rare: Inf/NaN in this chunk's v. P v by FMAs over the cleaned values (key s's scores come
         // from the lane that holds them), then NaN where the causal sum reaches a non-finite v_s

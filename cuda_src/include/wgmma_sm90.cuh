@@ -1,5 +1,6 @@
 // wgmma_sm90.cuh -- Hopper warpgroup MMA: swizzled shared-memory layout, descriptors, wgmma (sm_90a).
 #pragma once
+#include "tf32.cuh"
 #include "types.cuh"
 
 // Hopper warpgroup MMA (wgmma, sm_90a only: callers guard with RTK_HAS_WGMMA).
@@ -151,4 +152,26 @@ __device__ __forceinline__ void rtk_wgmma_tf32_rs(float (&d)[32], const rtk_u32 
 #else
   __trap();
 #endif
+}
+
+// D (+)= P V over a chunk's 64 keys, P an m64n64 accumulator used as the A operand: its keys 2 t4,
+// 2 t4 + 1 of n-tile j are A columns t4, t4 + 4, the order rtk_tf32_key_col stores v^T in. P was just
+// multiplied, so rtk_tf32_operand rounds it. vt: v^T's descriptor (K-major, `rows` rows). ACC
+// false: D = P V. Waits for the products and pins D.
+template <bool ACC>
+__device__ __forceinline__ void rtk_tf32_pv(float (&d)[32], const float (&p)[8][4], unsigned long long vt, int rows) {
+  rtk_u32 a[8][4];
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    a[j][0] = rtk_tf32_operand(p[j][0]);
+    a[j][1] = rtk_tf32_operand(p[j][2]);
+    a[j][2] = rtk_tf32_operand(p[j][1]);
+    a[j][3] = rtk_tf32_operand(p[j][3]);
+  }
+  rtk_wg_fence();
+  #pragma unroll
+  for (int j = 0; j < 8; ++j) rtk_wgmma_tf32_rs(d, a[j], rtk_desc_at(vt, rtk_kmajor_step(rows, j)), ACC || j > 0);
+  rtk_wg_commit();
+  rtk_wg_wait<0>();
+  rtk_wg_pin(d);
 }
