@@ -161,16 +161,22 @@ def test_layouts_and_loaders_give_the_same_bits(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("which", ("q", "k", "v", "grad", "inf"))
+@pytest.mark.parametrize("which", ("q", "k", "v", "grad", "inf", "q-", "k-", "v-", "grad-"))
 def test_nan_reaches_its_head_only(mode, which):
     """A NaN in q, k, v or dL/do of head 1 (for k and v at the last token, reached only through a
     product with weight 0) makes head 1 NaN, an Inf in its q non-finite; the other heads keep
-    their bits."""
+    their bits. ``x-``: the NaN is 0xFFFFFFFF (sign and every payload bit set), which a TF32
+    rounding by an integer add of half an ulp would turn into +0."""
     x = list(_inputs(150, 32, 64, False, 3))
     clean = _got(mode, *x)
-    i = ("q", "k", "v", "grad", "inf").index(which) % 4
+    name = which.rstrip("-")
+    i = ("q", "k", "v", "grad", "inf").index(name) % 4
     x[i] = x[i].clone()
-    x[i][1, 1, 149 if which in ("k", "v") else 70, 5] = float("inf") if which == "inf" else float("nan")
+    at = (1, 1, 149 if name in ("k", "v") else 70, 5)
+    if which.endswith("-"):
+        x[i].view(torch.int32)[at] = -1
+    else:
+        x[i][at] = float("inf") if which == "inf" else float("nan")
     got = _got(mode, *x)
     others = torch.tensor([h != 1 for h in range(len(GAMMAS))], device="cuda")
     assert (not torch.isfinite(got[1])) if which == "inf" else torch.isnan(got[1])

@@ -142,19 +142,50 @@ def test_fp32_state_in_and_out(mode, segments, monkeypatch):
     _check(s2, ref_state, mode, "two-piece state")
 
 
+# NaN bit patterns, as int32: the quiet NaN torch writes, and a negative one with every payload bit
+# set, which an integer rounding that adds half an ulp would turn into +0 (the kernels' TF32
+# roundings must keep both NaN)
+NAN_BITS = {"quiet": 0x7FC00000, "negative-full-payload": -1}
+
+
+@pytest.mark.parametrize("nan", NAN_BITS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("d", [64, 37])  # 37: the scalar load path
 @pytest.mark.parametrize("where", ["q", "k", "v"])
-def test_fp32_nan_reaches_only_its_rows(where, d, mode, monkeypatch):
+def test_fp32_nan_reaches_only_its_rows(where, d, mode, nan, monkeypatch):
     b, h, n = 2, 2, 150
     for segments, row in ((None, 0), (None, 70), (None, 149), (2, 70)):
         force_chunk(monkeypatch, segments=segments)
         q, k, v = _inputs(b, h, n, d, d, seed=3)
-        {"q": q, "k": k, "v": v}[where][1, 0, row, 5] = float("nan")
+        {"q": q, "k": k, "v": v}[where].view(torch.int32)[1, 0, row, 5] = NAN_BITS[nan]
         out = rtkernels.causal_linear_attention(q, k, v, 1e-6, method="chunk", fp32_precision=mode).cpu()
         expected = nan_reach(out.shape, where, 1, 0, row, 5)
         assert torch.equal(torch.isnan(out), expected), (where, row, segments)
         assert torch.isfinite(out[~expected]).all()
+
+
+@pytest.mark.parametrize("gamma", [1e-6, 1.0])
+@pytest.mark.parametrize("nan", NAN_BITS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("d", [64, 37])
+def test_fp32_nan_in_initial_state_reaches_its_column(d, mode, nan, gamma, monkeypatch):
+    """A NaN at S0[1, 0, 5, 7] reaches output column 7 of every row of head (1, 0), through three
+    chunks' carries, and stays at its own entry of the final state; everything else is finite."""
+    b, h, n = 2, 2, 150
+    for segments in (None, 2):
+        force_chunk(monkeypatch, segments=segments)
+        q, k, v = _inputs(b, h, n, d, d, seed=5)
+        s0 = torch.randn(b, h, d, d, device="cuda")
+        s0.view(torch.int32)[1, 0, 5, 7] = NAN_BITS[nan]
+        out, state = rtkernels.causal_linear_attention(q, k, v, gamma, method="chunk", initial_state=s0,
+                                                       return_state=True, fp32_precision=mode)
+        expected = torch.zeros(out.shape, dtype=torch.bool, device="cuda")
+        expected[1, 0, :, 7] = True
+        assert torch.equal(torch.isnan(out), expected), (segments, "output")
+        assert torch.isfinite(out[~expected]).all()
+        state_nan = torch.zeros(state.shape, dtype=torch.bool, device="cuda")
+        state_nan[1, 0, 5, 7] = True  # S is updated entry by entry: the NaN stays where it was
+        assert torch.equal(torch.isnan(state), state_nan), (segments, "state")
 
 
 def test_fp32_default_follows_torch_matmul_precision():

@@ -74,24 +74,26 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
   auto tile_vt = [&](int stage) { return base + stage * L::STAGE + L::VT; };
   auto copy_s = [&](int slot) { return base + L::S + slot * L::SB; };
 
-  // ---- the state threads' pieces (st = tid - 128): q/k rows qr + QROWS u at column qc (16 bytes);
-  // v^T elements (4 bytes) as rtk_tf32_vt_elem spreads them over the banks
-  const int st = tid - 128, qr = st / QP, qc = (st % QP) * 4;
+  // ---- loads: the output threads copy q (they alone read it), the state threads k and v^T. Thread
+  // st of its warpgroup: q/k rows qr + QROWS u at column qc (16 bytes); v^T elements (4 bytes) as
+  // rtk_tf32_vt_elem spreads them over the banks
+  const int st = tid & 127, qr = st / QP, qc = (st % QP) * 4;
   const int qbytes = max(0, min(16, (Dk - qc) * 4));
   auto v_elem = [&](int u, int& s, int& d) { rtk_tf32_vt_elem<BV, 4>(st, u, s, d); };
-  auto load_chunk = [&](int chunk, int stage) {
+  // rows of q (X = qb, tile_q) or k (X = kb, tile_k) of a chunk
+  auto load_rows = [&](const float* xb, rtk_i64 x_sn, rtk_u32 tile, int chunk) {
     const int n0 = chunk * C;
     #pragma unroll
     for (int u = 0; u < C / QROWS; ++u) {
       const int r = qr + u * QROWS;
       const bool in = n0 + r < NS;
-      const int o = L::off(C, r, qc);
-      if (!states_only)
-        rtk_cp_async16(tile_q(stage) + o, in ? (const void*)(qb + (rtk_i64)(n0 + r) * q_sn + (qbytes ? qc : 0)) : qb,
-                       in ? qbytes : 0);
-      rtk_cp_async16(tile_k(stage) + o, in ? (const void*)(kb + (rtk_i64)(n0 + r) * k_sn + (qbytes ? qc : 0)) : kb,
+      rtk_cp_async16(tile + L::off(C, r, qc), in ? (const void*)(xb + (rtk_i64)(n0 + r) * x_sn + (qbytes ? qc : 0)) : xb,
                      in ? qbytes : 0);
     }
+  };
+  auto load_chunk = [&](int chunk, int stage) {  // the state threads' part
+    const int n0 = chunk * C;
+    load_rows(kb, k_sn, tile_k(stage), chunk);
     #pragma unroll
     for (int u = 0; u < C * BV / 128; ++u) {
       int s, d;
@@ -121,11 +123,9 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
   // then the CTA barrier, which ORs whether its v holds Inf/NaN.
   auto end_period = [&](int next) -> bool {
     bool bad = false;
-    if (!out_warp) {
-      rtk_cp_async_wait<0>();
-      if (next < nchunks) bad = round_chunk(next & 1);
-      rtk_fence_proxy_async();
-    }
+    rtk_cp_async_wait<0>();  // the output threads' q, the state threads' k and v
+    if (!out_warp && next < nchunks) bad = round_chunk(next & 1);
+    rtk_fence_proxy_async();
     return rtk_cta_sync_or(bad, or_ring, (rtk_u32)next);
   };
 
@@ -138,6 +138,8 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
     const rtk_chunk_decay dec(lg2, out_scale, g, t4, r0);
     const float f_lo = dec.inter0 * dec.row_lo, f_hi = dec.inter0 * dec.row_hi;
     auto scale_scores = [&](float (&pp)[8][4]) { dec.scale_scores_of(w, pp); };
+    if (nchunks > 0 && !states_only) load_rows(qb, q_sn, tile_q(0), 0);
+    rtk_cp_async_commit();
     bool v_bad = end_period(0);
     for (int chunk = 0; chunk < nchunks; ++chunk) {
       const int stage = chunk & 1, n0 = chunk * C, len = min(C, NS - n0);
@@ -145,6 +147,8 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
         v_bad = end_period(chunk + 1);
         continue;
       }
+      if (chunk + 1 < nchunks) load_rows(qb, q_sn, tile_q(stage ^ 1), chunk + 1);  // read in period c - 1
+      rtk_cp_async_commit();
       float o_acc[NT][4];
       float pr[8][4];
       float (&pa)[32] = reinterpret_cast<float (&)[32]>(pr);
@@ -202,16 +206,19 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
     if (seq_bad) rtk_frag_scale(s_acc, __int_as_float(0x7fc00000));  // invalid packed offsets: NaN states
     const float lgd = rtk_head_log_decay(decay, decay_mode, h);
     const float carry_full = (float)exp((double)lgd * (double)C);
-    auto store_copy = [&](int slot) {  // S^T: row = value column, column = key row
+    // S^T (row = value column, column = key row) rounded to TF32. The entering state is raw input,
+    // whose NaN may have any bits (cvt); after a chunk S is a product of the multiply and the tensor
+    // cores, whose NaN is 0x7FFFFFFF, so the one-instruction rounding serves
+    auto store_copy = [&](int slot, bool raw) {
       unsigned char* cs = sm + L::S + slot * L::SB;
       sf.pairs(s_acc, [&](int r, int c, float lo, float hi) {
-        *reinterpret_cast<float*>(cs + L::off(BV, c, r)) = rtk_round_tf32(lo);
-        *reinterpret_cast<float*>(cs + L::off(BV, c + 1, r)) = rtk_round_tf32(hi);
+        *reinterpret_cast<float*>(cs + L::off(BV, c, r)) = raw ? rtk_round_tf32(lo) : __uint_as_float(rtk_tf32_operand(lo));
+        *reinterpret_cast<float*>(cs + L::off(BV, c + 1, r)) = raw ? rtk_round_tf32(hi) : __uint_as_float(rtk_tf32_operand(hi));
       });
     };
     if (nchunks > 0) load_chunk(0, 0);
     rtk_cp_async_commit();
-    store_copy(0);
+    store_copy(0, true);
     end_period(0);
     for (int chunk = 0; chunk < nchunks; ++chunk) {
       const int stage = chunk & 1, n0 = chunk * C, len = min(C, NS - n0);
@@ -248,7 +255,7 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
       rtk_wg_wait<0>();
       #pragma unroll
       for (int mt = 0; mt < MT; ++mt) rtk_wg_pin(reinterpret_cast<float (&)[32]>(s_acc[mt]));
-      if (chunk + 1 < nchunks) store_copy(stage ^ 1);  // the S entering chunk c + 1 (copy c % 2 is in use)
+      if (chunk + 1 < nchunks) store_copy(stage ^ 1, false);  // the S entering chunk c + 1 (copy c % 2 is in use)
       end_period(chunk + 1);
     }
     sf.store(s_acc, final_state);

@@ -18,9 +18,10 @@ __device__ __forceinline__ rtk_u32 rtk_tf32(float x) {
 // x rounded to TF32 for a tensor-core operand: the bits plus half a TF32 ulp, whose 13 low bits the
 // tensor cores do not read, so they see x rounded to nearest, ties away, as cvt.rna gives it (three
 // instructions on sm_90; this is one VIADDMNMX). The max with the bits keeps the canonical NaN
-// 0x7FFFFFFF, which the add would carry into the sign bit: that is the NaN an fp32 multiply makes,
-// so use it on values just multiplied; raw inputs and tensor-core results, whose NaN may carry any
-// sign and payload, take rtk_tf32. An Inf becomes a NaN. (An asm like cvt: the compiler keeps the
+// 0x7FFFFFFF, which the add would carry into the sign bit: that is the NaN an fp32 multiply and the
+// tensor cores make (the tests put NaN 0xFFFFFFFF into every input), so use it on values just
+// multiplied or accumulated; raw inputs, whose NaN may carry any sign and payload (0xFFFFFFFF
+// would become +0), take rtk_tf32. An Inf becomes a NaN. (An asm like cvt: the compiler keeps the
 // fragment registers apart from accumulators wgmma may still read.)
 __device__ __forceinline__ rtk_u32 rtk_tf32_operand(float x) {
   rtk_u32 r;
