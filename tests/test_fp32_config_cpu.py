@@ -155,10 +155,14 @@ def test_planner_gives_fp32_its_own_kernel(fake_gpu, exact):
     else:
         assert name == "rtk_chunk_fwd_tf32<128, 64>" and name in names[chunk.TF32_WG_SOURCE]
         assert (bv, nseg, smem, threads, opts) == (64, 1, chunk.tf32_wg_smem_bytes(128, 64), 256, chunk.WGMMA_OPTIONS)
-    # few CTAs, long sequence: segments, one wave of one CTA per SM (210 KiB of shared memory each),
-    # on the mma.sync kernel in both modes (the wgmma kernel's split is slower)
+    # few CTAs, long sequence: segments. The exact mode: one wave of one CTA per SM (210 KiB of
+    # shared memory each); the TF32 mode's wgmma kernel: two waves' worth, segments of >= 32 chunks
     name, bv, nseg, _, _, opts = chunk.plan_launch(torch.float32, 128, 128, True, 32, 16384, 0, exact=exact)[:6]
-    assert name.startswith("rtk_chunk_fwd_f32<") and opts == () and nseg == 132 // 64
+    if exact:
+        assert name.startswith("rtk_chunk_fwd_f32<") and opts == () and nseg == 132 // 64
+    else:
+        assert name == "rtk_chunk_fwd_tf32<128, 64>" and opts == chunk.WGMMA_OPTIONS and nseg == 2 * 132 // 64
+        assert chunk.plan_launch(torch.float32, 64, 64, True, 16, 16384, 0, exact=False)[2] == 16384 // (32 * 64)
     # forced segments keep the wgmma kernel (its states-only mode)
     with chunk.override(segments=3):
         forced = chunk.plan_launch(torch.float32, 128, 128, True, 32, 16384, 0, chunk.current_overrides(), exact=exact)
@@ -167,11 +171,15 @@ def test_planner_gives_fp32_its_own_kernel(fake_gpu, exact):
     name, _, _, _, _, opts = chunk.plan_launch(torch.float32, 128, 128, False, 128, 4096, 0, exact=exact)[:6]
     assert name == f"rtk_chunk_fwd_f32<128, 64, 2, {str(exact).lower()}, false, 1>" and opts == ()
     # KMAX 64, BV 32 (mma.sync): two CTAs fit on an SM in the TF32 mode (256 threads); the exact mode's
-    # 384 threads take too many registers for two. Aligned TF32 rows take the wgmma kernel: BV 64, one
+    # 384 threads take too many registers for two. Aligned TF32 rows with Dv <= 32 keep it too (the
+    # wgmma kernel's 64-wide value tile would be half idle), unless wgmma is forced
     assert chunk.plan_launch(torch.float32, 64, 32, False, 8, 1 << 16, 0, exact=exact)[2] == (1 if exact else 2) * 132 // 8
     assert chunk.plan_launch(torch.float32, 64, 32, True, 8, 1 << 16, 0, exact=exact)[:3] == (
         ("rtk_chunk_fwd_f32<64, 32, 2, true, true, 1>", 32, 132 // 8) if exact else
         ("rtk_chunk_fwd_f32<64, 32, 2, false, true, 1>", 32, 2 * 132 // 8))
+    with chunk.override(wgmma=True):
+        forced = chunk.plan_launch(torch.float32, 64, 32, True, 8, 1 << 16, 0, chunk.current_overrides(), exact=exact)
+    assert forced[0] == ("rtk_chunk_fwd_f32<64, 32, 2, true, true, 1>" if exact else "rtk_chunk_fwd_tf32<64, 64>")
     # enough CTAs for one segment: the wgmma kernel in the TF32 mode
     assert chunk.plan_launch(torch.float32, 64, 64, True, 256, 2048, 0, exact=exact)[0] == (
         "rtk_chunk_fwd_f32<64, 64, 2, true, true, 1>" if exact else "rtk_chunk_fwd_tf32<64, 64>")

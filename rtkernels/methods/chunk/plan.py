@@ -511,14 +511,23 @@ class Launch(NamedTuple):
     source: str
 
 
-def segments_for(bh_tiles: int, n: int, sms: int, ctas_per_sm: int = 2) -> int:
+def segments_for(bh_tiles: int, n: int, sms: int, ctas_per_sm: int = 2, min_chunks: int = 8) -> int:
     """The split-sequence heuristic: when the (batch, head, value-tile) CTAs fill at most half the
     multiprocessors and the sequence holds at least 2048 tokens, split it into segments of at least
-    8 chunks, as many as fit in one wave of ``ctas_per_sm`` CTAs per multiprocessor (the extra
-    states pass costs less than idle multiprocessors; a second, partial wave costs more)."""
+    ``min_chunks`` chunks, as many as fit in one wave of ``ctas_per_sm`` CTAs per multiprocessor
+    (the extra states pass costs less than idle multiprocessors; a second, partial wave costs more)."""
     if 2 * bh_tiles > sms or n < 2048:
         return 1
-    return max(1, min(ctas_per_sm * sms // bh_tiles, n // (8 * CHUNK_KERNEL)))
+    return max(1, min(ctas_per_sm * sms // bh_tiles, n // (min_chunks * CHUNK_KERNEL)))
+
+
+def tf32_wg_segments(bh_tiles: int, n: int, sms: int) -> int:
+    """Segments of float32's wgmma kernel (``rtk_chunk_fwd_tf32``, one CTA per SM). Its states-only
+    period costs about what its fused one does, so the split is planned as for two CTAs per SM with
+    segments of at least 32 chunks. H100, fwd+bwd ms by segments: (1, 32, 16384, 128) 2: 5.02,
+    **4: 4.74**, 8: 4.89; (1, 16, 32768, 128) 4: 5.04, **8: 4.80**, 16: 4.89; (1, 8, 65536, 128)
+    8: 5.03, **16: 4.79**; (2, 8, 16384, 64) **8: 0.95**, 16: 1.00 (bold: this rule's choice)."""
+    return segments_for(bh_tiles, n, sms, 2, 32)
 
 
 def ctas_per_sm(dtype: torch.dtype, dk: int, bv: int, wg: bool, smem_limit: int, exact: bool = True) -> int:
@@ -578,19 +587,20 @@ def plan_launch(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: int
          overrides: Overrides = Overrides(), exact: bool = True) -> Launch:
     """The heuristic's launch on device ``dev`` (no tuned config); ``exact``: the float32
     kernel's mode (3xTF32, else TF32)."""
-    wg = dk <= 128 and (dtype != torch.float32 or (not exact and vec and overrides.bv in (None, 64))) and (
-        _wgmma_ok(dev, overrides))  # float32: the TF32 mode on wgmma
+    # float32: the TF32 mode on wgmma, 64 value columns a CTA. Dv <= 32 would leave half of them
+    # idle: there the mma.sync kernel's 32-wide tiles are faster (H100, (8, 1, 65536, 64 / 32)
+    # fwd+bwd 1.66 against 1.75 ms)
+    f32_wg = not exact and vec and overrides.bv in (None, 64) and (dv > 32 or overrides.wgmma is True)
+    wg = dk <= 128 and (dtype != torch.float32 or f32_wg) and _wgmma_ok(dev, overrides)
     sms, limit = _sm_count(dev), _smem_limit(dev)
-    if wg and dtype == torch.float32 and overrides.segments is None and segments_for(bh * -(-dv // 64), n, sms, 1) > 1:
-        # its states-only period costs about what its fused one does, so where the heuristic splits
-        # the sequence the mma.sync kernel is faster (H100, (1, 32, 16384, 128): 1.39 against 1.63-1.75 ms)
-        wg = False
     if not wg:
         bv = _default_bv(dtype, dk, dv, limit)
     else:  # float32's wgmma kernel: 64 columns
         bv = 64 if dtype == torch.float32 else overrides.bv or value_tile(dv, bh, n, sms)
     tiles = bh * -(-dv // bv)
-    nseg = overrides.segments or segments_for(tiles, n, sms, ctas_per_sm(dtype, dk, bv, wg, limit, exact))
+    nseg = overrides.segments or (
+        tf32_wg_segments(tiles, n, sms) if wg and dtype == torch.float32 else
+        segments_for(tiles, n, sms, ctas_per_sm(dtype, dk, bv, wg, limit, exact)))
     stages = overrides.stages or default_stages(dtype, bv)
     return _launch_of(kernel_config(dtype, dk, dv, vec, tiles * nseg, sms, wg, bv, exact, limit, stages), nseg)
 
