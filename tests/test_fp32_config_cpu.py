@@ -190,6 +190,32 @@ def test_planner_gives_fp32_its_own_kernel(fake_gpu, exact):
     assert bf[0].startswith("rtk_chunk_fwd<") and bf[5] == chunk.WGMMA_OPTIONS
 
 
+def test_stored_float32_config_leaves_tf32_on_the_wgmma_kernel(fake_gpu, monkeypatch):
+    """The tuned store's float32 entries are timed in the exact mode among mma.sync configs: they
+    steer exact calls and "tf32" calls the wgmma kernel does not serve, never one it serves (a
+    store written by ``rtkernels autotune`` would otherwise put those on the slower kernel)."""
+    from rtkernels.methods.chunk import launch
+
+    stored = freeze({"key_pieces": False, "wgmma": False, "bv": 32, "segments": 3})
+    monkeypatch.setattr(launch, "tuned_config", lambda *a: stored)
+    monkeypatch.setattr(launch, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(launch, "_smem_limit", lambda dev: H200)
+
+    def planned(dv, vec, exact):
+        return launch.pass_launch(torch.float32, 4, 32, 4096, 128, dv, 0, vec, exact)
+
+    assert planned(128, True, True)[:3] == ("rtk_chunk_fwd_f32<128, 32, 2, true, true, 1>", 32, 3)
+    wg = planned(128, True, False)
+    assert wg == chunk.plan_launch(torch.float32, 128, 128, True, 128, 4096, 0, exact=False)
+    assert wg[:3] == ("rtk_chunk_fwd_tf32<128, 64>", 64, 1)
+    # not served by the wgmma kernel: unaligned rows, Dv <= 32; the stored config applies
+    assert planned(128, False, False)[:3] == ("rtk_chunk_fwd_f32<128, 32, 2, false, false, 1>", 32, 3)
+    assert planned(32, True, False)[:3] == ("rtk_chunk_fwd_f32<128, 32, 2, false, true, 1>", 32, 3)
+    with chunk.override(wgmma=False):  # an override steers the plan: the heuristic, mma.sync
+        assert planned(128, True, False) == chunk.plan_launch(
+            torch.float32, 128, 128, True, 128, 4096, 0, chunk.current_overrides(), exact=False)
+
+
 def test_tf32_wgmma_kernel_fits_and_is_compiled():
     """rtk_chunk_fwd_tf32's shared memory (mirrors rtk_tf32_smem): two stages of q, k (64 x KMAX) and
     v^T (64 x 64) fp32 tiles, two fp32 copies of S^T, the OR ring and the alignment slack."""

@@ -29,7 +29,8 @@ and its tile (BV, stages) follows the GPU's shared memory. On Hopper the ``"tf32
 ``rtk_chunk_fwd_tf32`` (``chunk/fwd_tf32.cu``, wgmma) instead where rows are 16-byte aligned and
 Dk <= 128 and Dv > 32 (:func:`.plan.tf32_wg_config`): the same arguments and modes, v stored
 transposed in shared memory (wgmma reads TF32 operands K-major only), its sequence split by
-:func:`.plan.tf32_wg_segments`. fp64 inputs run the torch path.
+:func:`.plan.tf32_wg_segments` (:func:`.plan.tf32_wg_planned` says where it runs). fp64 inputs run
+the torch path.
 
 The package: :mod:`.torch_path` (the torch path), :mod:`.plan` (instances, tiles, heuristics,
 the tune space, :class:`Overrides`), :mod:`.launch` (the planned call), :mod:`.backward` (the
@@ -48,7 +49,8 @@ from .plan import (CHUNK_KERNEL, F32_SOURCE, FWD16_SOURCE, TF32_WG_SOURCE, MAX_D
                    dual_config, dual_launch, fuses_dk_dv,
                    f32_config, f32_smem_bytes, f32_stages, f32_threads, fold_parts, kernel_config, kernel_supports,
                    name_expression, override, plan_launch, segments_for, smem_bytes, split, states_config, states_name,
-                   states_smem_bytes, tf32_wg_config, tf32_wg_segments, tf32_wg_smem_bytes, tuned_launch, value_tile)
+                   states_smem_bytes, tf32_wg_config, tf32_wg_planned, tf32_wg_segments, tf32_wg_smem_bytes, tuned_launch,
+                   value_tile)
 from .torch_path import CHUNK, torch_forward
 
 __all__ = [
@@ -58,7 +60,7 @@ __all__ = [
     "f32_config", "f32_smem_bytes", "f32_stages", "f32_threads", "config_smem", "ctas_per_sm", "segments_for",
     "value_tile", "aligned", "CHUNK", "CHUNK_KERNEL", "MAX_DIM", "MAX_VALUE_DIM", "SMEM_LIMIT_SM90", "SMEM_LIMITS_OTHER",
     "WGMMA_OPTIONS", "MODE_FUSED", "MODE_STATES", "MODE_FOLD", "FWD16_SOURCE", "F32_SOURCE", "STATES_SOURCE",
-    "SEG_SCAN_SOURCE", "TF32_WG_SOURCE", "tf32_wg_config", "tf32_wg_segments", "tf32_wg_smem_bytes", "dlog_launch", "dual_config", "dual_launch", "fuses_dk_dv", "split", "fold_parts",
+    "SEG_SCAN_SOURCE", "TF32_WG_SOURCE", "tf32_wg_config", "tf32_wg_planned", "tf32_wg_segments", "tf32_wg_smem_bytes", "dlog_launch", "dual_config", "dual_launch", "fuses_dk_dv", "split", "fold_parts",
 ]
 
 

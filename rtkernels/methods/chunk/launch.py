@@ -18,7 +18,7 @@ from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
 from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE, STATES_SOURCE, Launch, _sm_count,
                    _smem_limit, aligned, current_overrides, dlog_launch, dual_launch, fold_parts, key_pieces,
                    override, packed_launch, plan_launch, split, states_config, states_name, states_options,
-                   states_smem_bytes, states_tma, tuned_launch)
+                   states_smem_bytes, states_tma, tf32_wg_planned, tuned_launch)
 
 __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "pass_launcher",
            "launch_pass", "transposed_slots", "call_pieces", "kernel_final_state"]
@@ -48,9 +48,11 @@ def pass_launch(dtype: torch.dtype, b: int, h: int, n: int, dk: int, dv: int, de
     """The :class:`~.plan.Launch` of one pass over ``dk`` key columns on device ``dev``: the tuned
     config ``tuned`` (a key piece's: the config of the call it belongs to), else the store's
     config for this pass's shape, else the heuristic (:func:`.plan.plan_launch`); overrides that
-    steer the plan win over either config."""
+    steer the plan win over either config. A float32 pass in the "tf32" mode that the wgmma kernel
+    serves keeps the heuristic: the store's float32 entries are timed in the exact mode, among
+    mma.sync configs only (the wgmma kernel has no exact mode)."""
     over = current_overrides()
-    if not over.steers_plan:
+    if not over.steers_plan and not (dtype == torch.float32 and not exact and tf32_wg_planned(dk, dv, vec, dev, over)):
         tuned = tuned or tuned_config("chunk", dev, dtype, b * h, n, dk, dv)  # None: no store entry
         if tuned:
             limits = Limits(sms=_sm_count(dev), max_smem=_smem_limit(dev))

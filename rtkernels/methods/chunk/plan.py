@@ -521,6 +521,15 @@ def segments_for(bh_tiles: int, n: int, sms: int, ctas_per_sm: int = 2, min_chun
     return max(1, min(ctas_per_sm * sms // bh_tiles, n // (min_chunks * CHUNK_KERNEL)))
 
 
+def tf32_wg_planned(dk: int, dv: int, vec: bool, dev: int, overrides: Overrides = Overrides()) -> bool:
+    """Whether a float32 pass in the "tf32" mode runs ``rtk_chunk_fwd_tf32`` (wgmma, 64 value
+    columns a CTA): on compute capability 9.0, 16-byte aligned rows, Dk <= 128 and Dv > 32. With
+    Dv <= 32 half of its tile would idle, and the mma.sync kernel's 32-wide tiles are faster (H100,
+    (8, 1, 65536, 64 / 32) fwd+bwd 1.66 against 1.75 ms); forcing wgmma takes it anyway."""
+    return (dk <= 128 and vec and overrides.bv in (None, 64) and (dv > 32 or overrides.wgmma is True)
+            and _wgmma_ok(dev, overrides))
+
+
 def tf32_wg_segments(bh_tiles: int, n: int, sms: int) -> int:
     """Segments of float32's wgmma kernel (``rtk_chunk_fwd_tf32``, one CTA per SM). Its states-only
     period costs about what its fused one does, so the split is planned as for two CTAs per SM with
@@ -587,11 +596,10 @@ def plan_launch(dtype: torch.dtype, dk: int, dv: int, vec: bool, bh: int, n: int
          overrides: Overrides = Overrides(), exact: bool = True) -> Launch:
     """The heuristic's launch on device ``dev`` (no tuned config); ``exact``: the float32
     kernel's mode (3xTF32, else TF32)."""
-    # float32: the TF32 mode on wgmma, 64 value columns a CTA. Dv <= 32 would leave half of them
-    # idle: there the mma.sync kernel's 32-wide tiles are faster (H100, (8, 1, 65536, 64 / 32)
-    # fwd+bwd 1.66 against 1.75 ms)
-    f32_wg = not exact and vec and overrides.bv in (None, 64) and (dv > 32 or overrides.wgmma is True)
-    wg = dk <= 128 and (dtype != torch.float32 or f32_wg) and _wgmma_ok(dev, overrides)
+    if dtype == torch.float32:
+        wg = not exact and tf32_wg_planned(dk, dv, vec, dev, overrides)
+    else:
+        wg = dk <= 128 and _wgmma_ok(dev, overrides)
     sms, limit = _sm_count(dev), _smem_limit(dev)
     if not wg:
         bv = _default_bv(dtype, dk, dv, limit)
