@@ -2,9 +2,11 @@
 //
 // rtk_chunk_fwd's algorithm, warp roles and barrier per chunk (chunk/fwd16.cu), for float32 rows
 // that are 16-byte aligned, Dk <= KMAX <= 128, BV = 64 value columns a CTA: the output warpgroup
-// computes q k^T and q S^T-copy from shared memory and P v with P from registers; the state
-// warpgroup loads the tiles, rounds v to TF32 in place, updates S (fp32 registers) by wgmma and
+// loads q and computes q k^T and q S^T-copy from shared memory and P v with P from registers; the
+// state warpgroup loads k and v, rounds v to TF32 in place, updates S (fp32 registers) by wgmma and
 // publishes a TF32 copy of S^T. Two tile stages and two state copies: one CTA barrier per chunk.
+// (The state warpgroup is the slower side of that barrier, so q's copies are the output warps':
+// (4, 32, 4096, 128) 0.81 -> 0.68 ms.)
 //
 // wgmma reads TF32 operands from shared memory only K-major (the contracted index contiguous), so
 // v is stored transposed: each state thread copies single floats of v's rows into v^T's columns
@@ -12,8 +14,9 @@
 // 2 t4, 2 t4 + 1 of each 8 where a TF32 A fragment has columns t4, t4 + 4, so key s sits at v^T
 // column (s & ~7) | 4 (s & 1) | ((s & 7) >> 1), and the state update's A fragments (k^T) follow.
 // The tensor cores ignore a TF32 operand's 13 low bits: q and k are read raw (truncated); P, k w,
-// v (in place, with the check for Inf/NaN) and the S copy are rounded to nearest; P and k w, just
-// multiplied, by adding half an ulp to their bits (rtk_tf32_operand: one instruction, not three).
+// v (in place, with the check for Inf/NaN) and the S copy are rounded to nearest; P, k w and the S
+// copy after a chunk, results of a multiply or of the tensor cores (NaN 0x7FFFFFFF), by adding half
+// an ulp to their bits (rtk_tf32_operand: one instruction, not three); raw values by cvt.
 //
 // S = gamma^len S (gamma^len in double, rounded once), then += (k w)^T v on the tensor cores, the
 // k-steps pipelined. NaN in, NaN out: a chunk whose v holds Inf/NaN takes P v by FMAs over the
@@ -23,8 +26,8 @@
 // Why q and k are not rounded: a pass over the tiles in shared memory costs more than wgmma saves
 // (H100, (4, 32, 4096, 128): 1.15 ms rounded against 0.86, rtk_chunk_fwd_f32 1.04; error against
 // fp64 4.5e-4 rounded, 6.4e-4 not, 4.2e-4 for rtk_chunk_fwd_f32). v is rounded where it is checked.
-// The plan takes this kernel only where the sequence is not split: its states-only period costs
-// about what a fused one does (docs/performance.md, session 31).
+// Its states-only period costs about what a fused one does, so the plan splits the sequence for it
+// by its own rule (rtkernels.methods.chunk.tf32_wg_segments; docs/performance.md, session 33).
 
 #include "../include/copy.cuh"
 #include "../include/params.cuh"
@@ -119,8 +122,8 @@ rtk_chunk_fwd_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk_sh
     }
     return bad;
   };
-  // The state warps' end of a period: chunk `next` landed and rounded (async proxy: wgmma reads it),
-  // then the CTA barrier, which ORs whether its v holds Inf/NaN.
+  // The end of a period: chunk `next` landed (and, by the state warps, rounded; async proxy: wgmma
+  // reads it), then the CTA barrier, which ORs whether its v holds Inf/NaN.
   auto end_period = [&](int next) -> bool {
     bool bad = false;
     rtk_cp_async_wait<0>();  // the output threads' q, the state threads' k and v
