@@ -43,7 +43,7 @@ __device__ __forceinline__ rtk_chunk_rows rtk_chunk_rows_of(const rtk_chunk_shap
 
 // The CTA's place, as locals of a kernel whose q, k, v, o hold elements of type T, whose tile
 // has BV value columns and whose struct parameter is p (rtk_chunk_shape): thread and warp roles,
-// (batch, head), the value tile, and the split-sequence strategy: CTA z handles tokens
+// (batch, head) and the value tile (rtk_head_tile's order), and the split-sequence strategy: CTA z handles tokens
 // [z * seg_len, z * seg_len + NS) and its state enters from / leaves to slot z of the state
 // buffers (one segment, z = 0, otherwise). With packed sequences (one segment) the CTA row is the
 // sequence, b = 0, tokens [n_begin, n_begin + NS) (rtk_chunk_rows_of), and the state slot of row
@@ -55,12 +55,14 @@ __device__ __forceinline__ rtk_chunk_rows rtk_chunk_rows_of(const rtk_chunk_shap
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;                                  \
   const int g = lane >> 2, t4 = lane & 3;                                                         \
   const bool out_warp = warp < 4;                                                                 \
-  const int bh = blockIdx.x, b_row = bh / H, h = bh - b_row * H;                                  \
+  int bh, tile;                                                                                     \
+  rtk_head_tile(bh, tile);                                                                         \
+  const int b_row = bh / H, h = bh - b_row * H;                                                    \
   const rtk_chunk_rows rows_here = rtk_chunk_rows_of(p, N, b_row);                                \
   const int b = p.cu_seqlens != 0 ? 0 : b_row;                                                    \
   const bool seq_bad = rows_here.bad;                                                             \
   const float out_scale = seq_bad ? __int_as_float(0x7fc00000) : scale;                           \
-  const int v0 = blockIdx.y * BV;                                                                 \
+  const int v0 = tile * BV;                                                                       \
   const float lg2 = rtk_head_log_decay(decay, decay_mode, h) * 1.4426950408889634f; /* log2(gamma) */ \
   const rtk_strides qs = {q_sb, q_sh, q_sn}, ks = {k_sb, k_sh, k_sn};                             \
   const rtk_strides vs = {v_sb, v_sh, v_sn}, os = {o_sb, o_sh, o_sn};                             \

@@ -304,5 +304,5 @@ rtk_chunk_decay_grad(const rtk_u16* __restrict__ q, const rtk_u16* __restrict__ 
   }
 
   rtk_dg_finish(frag, w_acc, grad_state, scale, wconst, acc1, acc2, acci, red,
-                partial + ((rtk_i64)cta.b * gridDim.y + blockIdx.y) * p.H + cta.h);
+                partial + ((rtk_i64)cta.b * gridDim.y + cta.tile) * p.H + cta.h);
 }

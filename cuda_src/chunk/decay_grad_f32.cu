@@ -249,5 +249,5 @@ rtk_chunk_decay_grad_f32(const float* __restrict__ q, const float* __restrict__ 
   }
 
   rtk_dg_finish(frag, w_acc, grad_state, scale, wconst, acc1, acc2, acci, red,
-                partial + (((rtk_i64)cta.b * gridDim.y + blockIdx.y) * SLICES + blockIdx.z) * p.H + cta.h);
+                partial + (((rtk_i64)cta.b * gridDim.y + cta.tile) * SLICES + blockIdx.z) * p.H + cta.h);
 }

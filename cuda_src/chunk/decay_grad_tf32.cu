@@ -244,5 +244,5 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
   }
 
   rtk_dg_finish(frag, w_acc, grad_state, scale, wconst, acc1, acc2, acci, red,
-                partial + ((rtk_i64)cta.b * gridDim.y + blockIdx.y) * p.H + cta.h);
+                partial + ((rtk_i64)cta.b * gridDim.y + cta.tile) * p.H + cta.h);
 }

@@ -7,12 +7,12 @@
 #include "../include/params.cuh"
 #include "../include/state_frag.cuh"
 
-// A CTA's place in the walk: (batch, head) from blockIdx.x, value tile blockIdx.y (BV columns from
-// v0, dv_here of them real), log2(gamma), the chunk count, and where its rows of q, k (all columns)
+// A CTA's place in the walk: (batch, head) and value tile (BV columns from v0, dv_here of them
+// real) in rtk_head_tile's order, log2(gamma), the chunk count, and where its rows of q, k (all columns)
 // and v, do (the tile's columns) start; do's strides are the shape struct's o_* fields.
 template <class T, int BV>
 struct rtk_dg_cta {
-  int bh, b, h, v0, dv_here, N, Dk, nchunks;
+  int bh, tile, b, h, v0, dv_here, N, Dk, nchunks;
   float lg2;
   const T *qb, *kb, *vb, *db;
   rtk_i64 q_sn, k_sn, v_sn, d_sn;
@@ -20,10 +20,10 @@ struct rtk_dg_cta {
   __device__ __forceinline__ rtk_dg_cta(const rtk_fwd_shape& p, const T* q, const T* k, const T* v, const T* dout,
                                         const void* decay) {
     const int H = (int)p.H;
-    bh = blockIdx.x;
+    rtk_head_tile(bh, tile);
     b = bh / H;
     h = bh - b * H;
-    v0 = blockIdx.y * BV;
+    v0 = tile * BV;
     dv_here = min(BV, (int)p.Dv - v0);
     N = (int)p.N;
     Dk = (int)p.Dk;

@@ -587,7 +587,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     __syncthreads();
     if (tid == 0)
       reinterpret_cast<float*>(p.dlog_out)[((rtk_i64)(blockIdx.z * (gridDim.x / H) + b_row) * gridDim.y +
-                                            blockIdx.y) * H + h] =
+                                            tile) * H + h] =
           ((s_red[0] + s_red[1]) + (s_red[2] + s_red[3])) + ((s_red[4] + s_red[5]) + (s_red[6] + s_red[7]));
   }
 }

@@ -120,3 +120,12 @@ __device__ __forceinline__ float rtk_exp2(float x) {
 __device__ __forceinline__ bool rtk_nonfinite(float x) {
   return (__float_as_uint(x) & 0x7F800000u) == 0x7F800000u;
 }
+
+// This CTA's (batch * head, value tile) in a (B*H, tiles[, z]) grid, numbered so that the tiles of
+// one head are next to each other in launch order: they read the same q and k rows, and running
+// together they share them through L2 (x-major order would read q and k once per wave and tile).
+__device__ __forceinline__ void rtk_head_tile(int& bh, int& tile) {
+  const rtk_i64 at = blockIdx.x + (rtk_i64)gridDim.x * blockIdx.y;
+  bh = (int)(at / gridDim.y);
+  tile = (int)(at - (rtk_i64)bh * gridDim.y);
+}
