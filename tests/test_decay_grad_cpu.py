@@ -210,7 +210,7 @@ def test_tf32_mode_on_hopper_takes_the_wgmma_kernel():
         for dv in (1, 40, 64, 65, 128, 300):
             source, name, bv, slices, smem, options = decay_grad._plan(f32, dk, dv, True, False, False, False, True)
             kmax = 64 if dk <= 64 else 128
-            assert (source, name, bv, slices) == (decay_grad.SOURCE_TF32, f"rtk_chunk_decay_grad_tf32<{kmax}>",
+            assert (source, name, bv, slices) == (decay_grad.SOURCE_TF32, f"rtk_chunk_decay_grad_tf32<{kmax}, false>",
                                                   128 * 64 // kmax, 1)
             assert decay_grad.tf32_wg_kmax(dk) == kmax and decay_grad.tf32_wg_bv(kmax) == bv
             assert name in names and options == chunk.WGMMA_OPTIONS and smem == decay_grad.smem_bytes_tf32(kmax)
@@ -222,6 +222,22 @@ def test_tf32_mode_on_hopper_takes_the_wgmma_kernel():
                  (f32, 128, 128, True, False, False, False, False),  # no wgmma
                  (torch.bfloat16, 128, 128, True, False, False, False, True)):
         assert decay_grad._plan(*args)[0] != decay_grad.SOURCE_TF32, args
+
+
+def test_tf32_wgmma_split_plan():
+    """The wgmma dlog kernel splits the sequence only where its CTAs fill at most half the SMs (one
+    CTA per SM, segments of at least 32 chunks), on 132 SMs: (1, 32, 16384, 128) in 2 segments,
+    (1, 16, 32768, 128) in 4, the mid and small shapes not at all; its states instances compile
+    with the walk's options."""
+    seg = chunk.tf32_dlog_segments
+    assert seg(32 * 2, 16384, 132) == 2 and seg(16 * 2, 32768, 132) == 4
+    assert seg(4 * 32 * 2, 4096, 132) == 1 and seg(2 * 32 * 2, 1024, 132) == 1
+    assert seg(2, 2048, 132) == 1  # 32 chunks: too short to split
+    names = chunk.instances()[decay_grad.SOURCE_TF32]
+    for kmax in (64, 128):
+        states = decay_grad.name_expression_tf32(kmax, True)
+        assert states == f"rtk_chunk_decay_grad_tf32<{kmax}, true>" and states in names
+        assert chunk.instance_options()[states] == chunk.WGMMA_OPTIONS
 
 
 def test_cpu_kernel_backward_keeps_the_torch_formula(monkeypatch):

@@ -205,6 +205,42 @@ def test_tf32_mode_both_kernels(n, sizes, kernel):
                    f"{kernel} n={n} {sizes} positive={positive}")
 
 
+@pytest.mark.parametrize("sizes", [(128, 128), (40, 72), (100, 37)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("n,segments", [(65, 2), (1000, 3), (4096, 2), (4100, 5)])
+def test_tf32_wgmma_split_segments(n, segments, sizes):
+    """The wgmma kernel with the sequence split (forced segments; the last one shorter, down to one
+    token): its states pass leaves each segment its own S and W and the walk folds them, against
+    fp64 with states in and out (gamma 0.99 carries across 64-token segments, so a wrong power of
+    gamma in the fold shows), and close to the unsplit walk."""
+    if not _wgmma():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    dk, dv = sizes
+    for positive in (True, False):
+        x = _inputs(n, dk, dv, positive, 13 * n + dk)
+        with override(segments=segments):
+            got = _got("tf32", *x)
+        mag = None if positive else _magnitude(*x)
+        _check("tf32", got, _want_of(*x, gammas=GAMMAS), mag, f"split {segments} n={n} {sizes} positive={positive}")
+        _check("tf32", got, _got("tf32", *x), mag, f"split against one walk, n={n} {sizes}")
+
+
+@pytest.mark.parametrize("which", ("k", "grad"))
+def test_tf32_wgmma_split_nan_reaches_later_segments(which):
+    """With the sequence split, a NaN in k or dL/do of head 1 (in segment 0, whose S and W the
+    later segments fold) makes head 1 NaN; the other heads keep the bits they have without it."""
+    if not _wgmma():
+        pytest.skip("the wgmma kernel needs compute capability 9.0")
+    x = list(_inputs(700, 64, 64, False, 8))
+    with override(segments=3):
+        clean = _got("tf32", *x)
+        i = ("q", "k", "v", "grad").index(which)
+        x[i] = x[i].clone()
+        x[i][1, 1, 10, 3] = float("nan")
+        got = _got("tf32", *x)
+    others = torch.tensor([h != 1 for h in range(len(GAMMAS))], device="cuda")
+    assert torch.isnan(got[1]) and torch.equal(got[others], clean[others])
+
+
 def test_tf32_name_is_the_tf32_mode():
     """kernel_log_decay_grad_tf32 (session 18's name) is the float32 kernel in the "tf32" mode."""
     x = _inputs(100, 32, 40, False, 2)

@@ -1,14 +1,16 @@
 """Runs rtk_chunk_fwd_tf32 (float32, fp32_precision="tf32", wgmma) on small shapes for
-compute-sanitizer: one pass and the split strategy (its states-only mode), forward and forward +
-backward with an initial state and the final state, Dk < KMAX and Dv not a multiple of 64, a chunk
-whose v holds NaN, packed sequences. python bench/profiling/sanitize_tf32.py"""
+compute-sanitizer: one pass and the split strategy (its states-only mode; the backward's dlog(gamma)
+kernel, rtk_chunk_decay_grad_tf32, splits with it), forward and forward + backward with an initial
+state and the final state, Dk < KMAX and Dv not a multiple of 64, a chunk whose v holds NaN, packed
+sequences. python bench/profiling/sanitize_tf32.py"""
 import torch
 
 import rtkernels
 from rtkernels.methods import chunk
 
 torch.manual_seed(0)
-for b, h, n, dk, dv, segs in ((1, 2, 200, 128, 64, None), (2, 2, 300, 40, 100, 3), (1, 1, 64, 64, 64, None)):
+for b, h, n, dk, dv, segs in ((1, 2, 200, 128, 64, None), (2, 2, 300, 40, 100, 3), (1, 1, 64, 64, 64, None),
+                              (1, 2, 400, 128, 128, 2)):
     q, k, v = (torch.randn(b, h, n, d, device="cuda") / d ** 0.5 for d in (dk, dk, dv))
     s0 = torch.randn(b, h, dk, dv, device="cuda")
     leaves = [x.clone().requires_grad_() for x in (q, k, v, s0)]

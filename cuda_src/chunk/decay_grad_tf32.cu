@@ -19,6 +19,12 @@
 // truncate, a bias the fp64 checks see at gamma 0.9, where the intra term dominates); the weighted
 // A fragments and P~, just multiplied, by rtk_tf32_operand. Two stages: chunk c + 1 loads while c is
 // computed, one CTA barrier a chunk. NaN in, NaN out: every product reaches the sum.
+//
+// Split sequence (grid.z segments of seg_len tokens; few (batch, head, tile) CTAs and a long
+// sequence): the STATES instance walks each segment but the last with the recurrences alone (k and
+// v loaded, no sums), from the initial state (segment 0) or zero, and leaves its S and W in slots
+// (state_frag.cuh's fold_with layout); the summing walk of segment z > 0 folds them into the S and
+// W entering it. Every segment writes its own row of partial sums; the last adds <G, W_end>.
 
 #include "../include/copy.cuh"
 #include "../include/params.cuh"
@@ -36,13 +42,22 @@ struct rtk_dgt_smem {
   static constexpr int BYTES = 2 * STAGE + 1024;  // + slack to align the base to 1024 bytes
 };
 
-template <int KMAX>
+// The struct parameter: the forward's shape, then the segment length (grid.z is the segment; a
+// multiple of 64, or N for one segment).
+struct rtk_dgt_shape {
+  rtk_fwd_shape f;
+  rtk_i64 seg_len;
+};
+
+template <int KMAX, bool STATES>
 __global__ void __launch_bounds__(256, 1)
 rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                           const float* __restrict__ dout, const void* __restrict__ decay,
                           const float* __restrict__ init_state, const float* __restrict__ grad_state,
-                          float* __restrict__ partial, const __grid_constant__ rtk_fwd_shape p) {
+                          float* __restrict__ partial, float* __restrict__ slots,
+                          const __grid_constant__ rtk_dgt_shape ps) {
   typedef rtk_dgt_smem<KMAX> L;
+  const rtk_fwd_shape& p = ps.f;
   constexpr int C = L::C, BV = L::BV, NT = 8;
   static_assert(KMAX == 64 || KMAX == 128, "bad tile");
   static_assert(L::BYTES <= 227 * 1024 - 3 * 1024, "shared memory");
@@ -57,7 +72,7 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3, wg = warp >> 2, w4 = warp & 3;
-  const rtk_dg_cta<float, BV> cta(p, q, k, v, dout, decay);
+  const rtk_dg_cta<float, BV> cta(p, q, k, v, dout, decay, ps.seg_len);
   const int bh = cta.bh, N = cta.N, Dk = cta.Dk, Dv = (int)p.Dv, v0 = cta.v0, dv_here = cta.dv_here;
   const int nchunks = cta.nchunks;
   const float lg2 = cta.lg2;
@@ -89,7 +104,7 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
     for (int u = 0; u < C / QROWS; ++u, qp += QROWS * cta.q_sn, kp += QROWS * cta.k_sn) {
       const bool in = n0 + qr + u * QROWS < N;
       const int o = qo + u * QROWS * 128;
-      rtk_cp_async16(tile(stage, L::Q) + o, in ? (const void*)qp : cta.qb, in ? qbytes : 0);
+      if (!STATES) rtk_cp_async16(tile(stage, L::Q) + o, in ? (const void*)qp : cta.qb, in ? qbytes : 0);
       rtk_cp_async16(tile(stage, L::K) + o, in ? (const void*)kp : cta.kb, in ? qbytes : 0);
     }
     #pragma unroll
@@ -101,7 +116,8 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
       for (int i = 0; i < VI; ++i) {
         const bool in = row_in && vd + 8 * i < dv_here;
         rtk_cp_async4(tile(stage, L::VT) + vo[h] + 1024 * i, in ? (const void*)(vp + 8 * i) : cta.vb, in ? 4 : 0);
-        rtk_cp_async4(tile(stage, L::DT) + vo[h] + 1024 * i, in ? (const void*)(dp + 8 * i) : cta.db, in ? 4 : 0);
+        if (!STATES)
+          rtk_cp_async4(tile(stage, L::DT) + vo[h] + 1024 * i, in ? (const void*)(dp + 8 * i) : cta.db, in ? 4 : 0);
       }
     }
   };
@@ -111,7 +127,7 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
     #pragma unroll
     for (int u = 0; u < C / QROWS; ++u)
       #pragma unroll
-      for (int which = L::Q; which <= L::K; which += L::K - L::Q) {
+      for (int which = STATES ? L::K : L::Q; which <= L::K; which += L::K - L::Q) {
         float4& x = reinterpret_cast<float4&>(at(which, stage, qo + u * QROWS * 128));
         x = make_float4(rtk_round_tf32(x.x), rtk_round_tf32(x.y), rtk_round_tf32(x.z), rtk_round_tf32(x.w));
       }
@@ -120,9 +136,11 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
       #pragma unroll
       for (int i = 0; i < VI; ++i) {
         float& x = at(L::VT, stage, vo[h] + 1024 * i);
-        float& y = at(L::DT, stage, vo[h] + 1024 * i);
         x = rtk_round_tf32(x);
-        y = rtk_round_tf32(y);
+        if (!STATES) {
+          float& y = at(L::DT, stage, vo[h] + 1024 * i);
+          y = rtk_round_tf32(y);
+        }
       }
   };
 
@@ -132,8 +150,17 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
 
   const rtk_chunk_state<1, NT> frag = {r0 + 16 * w4, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, 0};
   float s_acc[1][NT][4], w_acc[1][NT][4];
-  frag.load(s_acc, init_state);
-  rtk_frag_zero(w_acc);
+  // S and W entering the segment: the initial state and 0 for segment 0 (and for every segment of
+  // the states pass, whose slots hold each segment's own S and W), else folded from those slots
+  const int z = blockIdx.z, nseg = STATES ? gridDim.z + 1 : gridDim.z;
+  const rtk_i64 slot = (rtk_i64)gridDim.x * Dk * Dv;
+  if (STATES || z == 0) {
+    frag.load(s_acc, z == 0 ? init_state : nullptr);
+    rtk_frag_zero(w_acc);
+  } else {
+    frag.fold_with<true>(s_acc, w_acc, slots, rtk_head_log_decay(decay, p.decay_mode, cta.h), ps.seg_len, 1,
+                         gridDim.x);
+  }
   float (&sa)[32] = reinterpret_cast<float (&)[32]>(s_acc);
   float (&wa)[32] = reinterpret_cast<float (&)[32]>(w_acc);
   float acc1 = 0.f, acc2 = 0.f, acci = 0.f;  // sum <S, A1'>, sum <W, A2'>, the intra term
@@ -189,7 +216,7 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
     // P = q k^T over this share's key columns, on the tensor cores while the state part runs
     float pr[NT][4];
     float (&pa)[32] = reinterpret_cast<float (&)[32]>(pr);
-    {
+    if (!STATES) {
       const unsigned long long dq = rtk_wg_desc(tile(stage, L::Q), 16, 1024);
       const unsigned long long dk = rtk_wg_desc(tile(stage, L::K), 16, 1024);
       rtk_wg_fence();
@@ -202,14 +229,16 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
     // ---- state part: acc1 += <S, A1'>, acc2 += <W, A2'> (the S and W entering the chunk) ----------
     {
       float t1[32], t2[32];
-      products(t1, t2, tile(stage, L::Q), wt + 0 * C, wt + 1 * C, ddt);
-      rtk_wg_pin(pa);  // q k^T landed with them
-      #pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        acc1 = fmaf(sa[i], t1[i], acc1);
-        acc2 = fmaf(wa[i], t2[i], acc2);
+      if (!STATES) {
+        products(t1, t2, tile(stage, L::Q), wt + 0 * C, wt + 1 * C, ddt);
+        rtk_wg_pin(pa);  // q k^T landed with them
+        #pragma unroll
+        for (int i = 0; i < 32; ++i) {
+          acc1 = fmaf(sa[i], t1[i], acc1);
+          acc2 = fmaf(wa[i], t2[i], acc2);
+        }
+        asm volatile("" : "+f"(acc1), "+f"(acc2));  // the dots before the next products (t1, t2 die here)
       }
-      asm volatile("" : "+f"(acc1), "+f"(acc2));  // the dots before the next products (t1, t2 die here)
       // W = gamma^L (W + L S) + n1 D2', S = gamma^L S + D1
       products(t1, t2, tile(stage, L::K), wt + 2 * C, wt + 3 * C, dvt);
       const float carry = wconst[last], n1 = wconst[2], fl = (float)len;
@@ -223,7 +252,7 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
     }
     // ---- intra part: P~ = (t - s) gamma^(t - s) P for s < t (a select above the diagonal: an Inf
     // score there must not make NaN; a product with weight 0 on it), then sum_t do_t . (P~ v)_t ----
-    {
+    if (!STATES) {
       #pragma unroll
       for (int j = 0; j < NT; ++j)
         #pragma unroll
@@ -243,6 +272,12 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
     }
   }
 
-  rtk_dg_finish(frag, w_acc, grad_state, scale, wconst, acc1, acc2, acci, red,
-                partial + ((rtk_i64)cta.b * gridDim.y + cta.tile) * p.H + cta.h);
+  if (STATES) {  // this segment's own S and W into S slot z + 1 and W slot z + 1 (fold_with's layout)
+    frag.store(s_acc, slots + (z + 1) * slot);
+    frag.store(w_acc, slots + (nseg + z + 1) * slot);
+    return;
+  }
+  // <G, W_end> belongs to the last segment; the partial sums are [segments * B, tiles, H]
+  rtk_dg_finish(frag, w_acc, z + 1 == nseg ? grad_state : nullptr, scale, wconst, acc1, acc2, acci, red,
+                partial + (((rtk_i64)z * (gridDim.x / p.H) + cta.b) * gridDim.y + cta.tile) * p.H + cta.h);
 }

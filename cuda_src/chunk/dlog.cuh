@@ -9,7 +9,8 @@
 
 // A CTA's place in the walk: (batch, head) and value tile (BV columns from v0, dv_here of them
 // real) in rtk_head_tile's order, log2(gamma), the chunk count, and where its rows of q, k (all columns)
-// and v, do (the tile's columns) start; do's strides are the shape struct's o_* fields.
+// and v, do (the tile's columns) start; do's strides are the shape struct's o_* fields. With
+// seg_len > 0 (a multiple of 64) the walk is segment blockIdx.z's: tokens z seg_len .., N of them.
 template <class T, int BV>
 struct rtk_dg_cta {
   int bh, tile, b, h, v0, dv_here, N, Dk, nchunks;
@@ -18,21 +19,22 @@ struct rtk_dg_cta {
   rtk_i64 q_sn, k_sn, v_sn, d_sn;
 
   __device__ __forceinline__ rtk_dg_cta(const rtk_fwd_shape& p, const T* q, const T* k, const T* v, const T* dout,
-                                        const void* decay) {
+                                        const void* decay, rtk_i64 seg_len = 0) {
     const int H = (int)p.H;
     rtk_head_tile(bh, tile);
     b = bh / H;
     h = bh - b * H;
     v0 = tile * BV;
     dv_here = min(BV, (int)p.Dv - v0);
-    N = (int)p.N;
+    const rtk_i64 n0 = seg_len > 0 ? (rtk_i64)blockIdx.z * seg_len : 0;
+    N = (int)(seg_len > 0 ? min(seg_len, p.N - n0) : p.N);
     Dk = (int)p.Dk;
     nchunks = (N + 63) / 64;
     lg2 = rtk_head_log_decay(decay, p.decay_mode, h) * 1.4426950408889634f;
-    qb = q + (rtk_i64)b * p.q_sb + (rtk_i64)h * p.q_sh;
-    kb = k + (rtk_i64)b * p.k_sb + (rtk_i64)h * p.k_sh;
-    vb = v + (rtk_i64)b * p.v_sb + (rtk_i64)h * p.v_sh + v0;
-    db = dout + (rtk_i64)b * p.o_sb + (rtk_i64)h * p.o_sh + v0;
+    qb = q + (rtk_i64)b * p.q_sb + (rtk_i64)h * p.q_sh + n0 * p.q_sn;
+    kb = k + (rtk_i64)b * p.k_sb + (rtk_i64)h * p.k_sh + n0 * p.k_sn;
+    vb = v + (rtk_i64)b * p.v_sb + (rtk_i64)h * p.v_sh + n0 * p.v_sn + v0;
+    db = dout + (rtk_i64)b * p.o_sb + (rtk_i64)h * p.o_sh + n0 * p.o_sn + v0;
     q_sn = p.q_sn;
     k_sn = p.k_sn;
     v_sn = p.v_sn;

@@ -49,7 +49,7 @@ from .plan import (CHUNK_KERNEL, F32_SOURCE, FWD16_SOURCE, TF32_WG_SOURCE, MAX_D
                    dual_config, dual_launch, fuses_dk_dv,
                    f32_config, f32_smem_bytes, f32_stages, f32_threads, fold_parts, kernel_config, kernel_supports,
                    name_expression, override, plan_launch, segments_for, smem_bytes, split, states_config, states_name,
-                   states_smem_bytes, tf32_wg_config, tf32_wg_planned, tf32_wg_segments, tf32_wg_smem_bytes, tuned_launch,
+                   states_smem_bytes, tf32_wg_config, tf32_dlog_segments, tf32_wg_planned, tf32_wg_segments, tf32_wg_smem_bytes, tuned_launch,
                    value_tile)
 from .torch_path import CHUNK, torch_forward
 
@@ -60,7 +60,7 @@ __all__ = [
     "f32_config", "f32_smem_bytes", "f32_stages", "f32_threads", "config_smem", "ctas_per_sm", "segments_for",
     "value_tile", "aligned", "CHUNK", "CHUNK_KERNEL", "MAX_DIM", "MAX_VALUE_DIM", "SMEM_LIMIT_SM90", "SMEM_LIMITS_OTHER",
     "WGMMA_OPTIONS", "MODE_FUSED", "MODE_STATES", "MODE_FOLD", "FWD16_SOURCE", "F32_SOURCE", "STATES_SOURCE",
-    "SEG_SCAN_SOURCE", "TF32_WG_SOURCE", "tf32_wg_config", "tf32_wg_planned", "tf32_wg_segments", "tf32_wg_smem_bytes", "dlog_launch", "dual_config", "dual_launch", "fuses_dk_dv", "split", "fold_parts",
+    "SEG_SCAN_SOURCE", "TF32_WG_SOURCE", "tf32_wg_config", "tf32_wg_planned", "tf32_wg_segments", "tf32_dlog_segments", "tf32_wg_smem_bytes", "dlog_launch", "dual_config", "dual_launch", "fuses_dk_dv", "split", "fold_parts",
 ]
 
 
@@ -77,5 +77,5 @@ def instances() -> dict[str, list[str]]:
     return {**_fwd_instances(),
             decay_grad.SOURCE: [decay_grad.name_expression(c) for c in decay_grad.all_configs()],
             decay_grad.SOURCE_F32: [decay_grad.name_expression_f32(c) for c in decay_grad.all_configs_f32()],
-            decay_grad.SOURCE_TF32: [decay_grad.name_expression_tf32(kmax) for kmax in (64, 128)],
+            decay_grad.SOURCE_TF32: decay_grad.names_tf32(),
             decay_grad.SUM_SOURCE: [decay_grad.SUM_KERNEL]}

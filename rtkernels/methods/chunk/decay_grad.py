@@ -47,11 +47,16 @@ one, 1.53x before).
 
 Work per CTA and chunk: four KMAX x BV x 64 products (the two over k and v in one pass) and the
 causal block of two 64 x 64 score matrices (q k^T over KMAX, recomputed for each value tile;
-do v^T over BV): about one forward pass. Memory: a ``[B, tiles, H]`` fp32 buffer. The chunks of
-a (batch, head) are walked in one CTA (no split-sequence strategy), so few (batch, head) pairs
-with a long sequence leave multiprocessors idle; where they are very few, the float32 kernel
-lets two CTAs share a walk, each with half the state's rows (:func:`kernel_config_f32`, SLICES;
-the buffer is then ``[B, 2 tiles, H]``).
+do v^T over BV): about one forward pass. Memory: a ``[B, tiles, H]`` fp32 buffer. The mma.sync
+kernels walk the chunks of a (batch, head) in one CTA, so few (batch, head) pairs with a long
+sequence leave multiprocessors idle; where they are very few, the float32 kernel lets two CTAs
+share a walk, each with half the state's rows (:func:`kernel_config_f32`, SLICES; the buffer is
+then ``[B, 2 tiles, H]``). The wgmma kernel splits such a sequence into segments instead
+(:func:`.plan.tf32_dlog_segments`): a first launch walks each segment but the last with the two
+recurrences alone and leaves its own S and W in slots, and each later segment's CTAs start from
+S and W entering it, W_in(z+1) = gamma^L (W_in(z) + L S_in(z)) + W_own(z), as the dq pass below
+does (H100, (1, 32, 16384, 128): 1.42 -> 1.08 ms; a trainable decay's step 1.30x -> 1.22x the
+fixed one). The buffer is then ``[segments * B, tiles, H]``.
 
 **Inside the dq pass.** Where the backward's dq pass runs the wgmma kernel in fp16 or bf16
 (:func:`dq_pass_sums`), that pass computes the same sum instead of this kernel, with no second walk
@@ -81,18 +86,19 @@ its own, as it does the S copy.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from ...decay import LogDecay
 from ...jit import dtype_code, get_function, launch
 from .._launch import fwd_tail, unit_stride
-from .plan import WGMMA_OPTIONS, _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config, dlog_launch, dual_launch, fuses_dk_dv
+from .plan import (WGMMA_OPTIONS, _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config, dlog_launch, dual_launch,
+                   fuses_dk_dv, split, tf32_dlog_segments)
 
 __all__ = ["SOURCE", "SOURCE_F32", "SOURCE_TF32", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "kernel_config_f32",
            "all_configs", "all_configs_f32", "name_expression", "name_expression_f32", "smem_bytes", "smem_bytes_f32",
-           "tf32_wg_kmax", "tf32_wg_bv", "name_expression_tf32", "smem_bytes_tf32", "instance_options",
+           "tf32_wg_kmax", "tf32_wg_bv", "name_expression_tf32", "names_tf32", "smem_bytes_tf32", "instance_options",
            "kernel_log_decay_grad", "kernel_log_decay_grad_tf32",
            "dq_pass_sums", "dq_pass_partials", "sum_partials", "PartialSums", "torch_w_recurrence"]
 
@@ -185,8 +191,15 @@ def tf32_wg_bv(kmax: int) -> int:
     return 128 * 64 // kmax
 
 
-def name_expression_tf32(kmax: int) -> str:
-    return f"rtk_chunk_decay_grad_tf32<{kmax}>"
+def name_expression_tf32(kmax: int, states: bool = False) -> str:
+    """The instance of ``rtk_chunk_decay_grad_tf32``: the walk that sums, or (``states``) the pass
+    that leaves each segment but the last its own S and W (:func:`kernel_log_decay_grad`'s split)."""
+    return f"rtk_chunk_decay_grad_tf32<{kmax}, {'true' if states else 'false'}>"
+
+
+def names_tf32() -> list[str]:
+    """Every instance of ``rtk_chunk_decay_grad_tf32``."""
+    return [name_expression_tf32(kmax, states) for kmax in (64, 128) for states in (False, True)]
 
 
 def smem_bytes_tf32(kmax: int) -> int:
@@ -197,7 +210,7 @@ def smem_bytes_tf32(kmax: int) -> int:
 
 def instance_options() -> dict[str, tuple[str, ...]]:
     """The compiler options of the dlog(gamma) instances that need any (the wgmma ones), by name."""
-    return {name_expression_tf32(kmax): WGMMA_OPTIONS for kmax in (64, 128)}
+    return {name: WGMMA_OPTIONS for name in names_tf32()}
 
 
 @functools.lru_cache(maxsize=256)
@@ -245,11 +258,37 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     tiles = -(-dv // bv)
     s0, g = (None if x is None else x.to(torch.float32).contiguous() for x in (initial_state, grad_state))
     decay, mode = log_decay.kernel_arg()
+    pointers = (q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_out.data_ptr(), decay,
+                0 if s0 is None else s0.data_ptr(), 0 if g is None else g.data_ptr())
+    tail = fwd_tail(q, k, v, grad_out, float(scale), mode)
+    if source == SOURCE_TF32:
+        return _walk_tf32(fn, pointers, tail, q, v, bv, smem, options, log_decay, for_source)
     partial = torch.empty(b, tiles * slices, h, dtype=torch.float32, device=q.device)
-    args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), grad_out.data_ptr(), decay,
-            0 if s0 is None else s0.data_ptr(), 0 if g is None else g.data_ptr(), partial.data_ptr(),
-            *fwd_tail(q, k, v, grad_out, float(scale), mode))
-    launch(fn, (b * h, tiles, slices), (256, 1, 1), args, dev, shared_mem=smem, pointers=8)  # then rtk_fwd_shape
+    launch(fn, (b * h, tiles, slices), (256, 1, 1), (*pointers, partial.data_ptr(), *tail), dev, shared_mem=smem,
+           pointers=8)  # then rtk_fwd_shape
+    return sum_partials(partial, log_decay, for_source)
+
+
+def _walk_tf32(fn: Any, pointers: tuple, tail: tuple, q: torch.Tensor, v: torch.Tensor, bv: int, smem: int,
+               options: tuple[str, ...], log_decay: LogDecay, for_source: bool) -> torch.Tensor:
+    """``rtk_chunk_decay_grad_tf32`` over :func:`.plan.tf32_dlog_segments` segments of the sequence
+    (``overrides.segments`` wins): with more than one, its states instance first leaves each segment
+    but the last its own S and W (slots of ``[B*H, Dk, Dv]`` fp32: S at 1 .., W at segments + 1 ..),
+    from which each later segment's CTAs fold the S and W entering it. Each (segment, batch) writes
+    a row of partial sums."""
+    b, h, n, dk = q.shape
+    dv, dev = v.shape[-1], q.device.index
+    tiles = -(-dv // bv)
+    nseg = current_overrides().segments or tf32_dlog_segments(b * h * tiles, n, _sm_count(dev))
+    seg_len, nseg = split(n, nseg)
+    partial = torch.empty(nseg * b, tiles, h, dtype=torch.float32, device=q.device)
+    slots = torch.empty(2 * nseg * b * h * dk * dv, dtype=torch.float32, device=q.device) if nseg > 1 else None
+    args = (*pointers, partial.data_ptr(), 0 if slots is None else slots.data_ptr(), *tail, seg_len)
+    if slots is not None:
+        states = get_function(SOURCE_TF32, name_expression_tf32(tf32_wg_kmax(dk), True), dev, extra_options=options,
+                              dynamic_smem=smem)
+        launch(states, (b * h, tiles, nseg - 1), (256, 1, 1), args, dev, shared_mem=smem, pointers=9)
+    launch(fn, (b * h, tiles, nseg), (256, 1, 1), args, dev, shared_mem=smem, pointers=9)  # then rtk_dgt_shape
     return sum_partials(partial, log_decay, for_source)
 
 

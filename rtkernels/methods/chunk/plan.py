@@ -539,6 +539,17 @@ def tf32_wg_segments(bh_tiles: int, n: int, sms: int) -> int:
     return segments_for(bh_tiles, n, sms, 2, 32)
 
 
+def tf32_dlog_segments(bh_tiles: int, n: int, sms: int) -> int:
+    """Segments of float32's "tf32" dlog(gamma) kernel (``rtk_chunk_decay_grad_tf32``, one CTA of
+    256 threads per SM, ``bh_tiles`` CTAs a segment): :func:`segments_for` with one CTA per SM and
+    segments of at least 32 chunks. Its states pass (each segment but the last, k and v only)
+    costs less than the walk it splits. H100, the kernel alone in ms by segments: (1, 32, 16384,
+    128) 1: 1.42, **2: 1.08**, 4: 1.10; (1, 16, 32768, 128) 2: 2.07, **4: 1.05**, 8: 1.07; (2, 8,
+    16384, 64) 1: 1.66, **8: 0.32**; (1, 8, 65536, 128) 1: 5.48, **8: 1.05**, 16: 1.10 (bold: this
+    rule's choice)."""
+    return segments_for(bh_tiles, n, sms, 1, 32)
+
+
 def ctas_per_sm(dtype: torch.dtype, dk: int, bv: int, wg: bool, smem_limit: int, exact: bool = True) -> int:
     """CTAs that share a multiprocessor, for :func:`segments_for`: the wgmma kernel 1 (its
     registers), the 16-bit mma.sync kernel 2; the float32 kernel in the exact mode 1 (384 threads of
