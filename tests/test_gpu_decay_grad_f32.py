@@ -14,6 +14,7 @@ import torch
 
 import rtkernels
 import rtkernels.methods.chunk.backward as kb
+import fp64_models as fm
 from graphs import assert_replays_like_eager
 from rtkernels.decay import LogDecay
 from rtkernels.methods.chunk import override
@@ -205,23 +206,41 @@ def test_tf32_mode_both_kernels(n, sizes, kernel):
                    f"{kernel} n={n} {sizes} positive={positive}")
 
 
+#: Split against one walk of the same kernel: the chunks' TF32 products are the same, so only the
+#: fp32 rounding of the carries differs (relative to the value, plus the terms' magnitude).
+SPLIT_TOL = 2e-5
+
+
 @pytest.mark.parametrize("sizes", [(128, 128), (40, 72), (100, 37)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("n,segments", [(65, 2), (1000, 3), (4096, 2), (4100, 5)])
 def test_tf32_wgmma_split_segments(n, segments, sizes):
     """The wgmma kernel with the sequence split (forced segments; the last one shorter, down to one
-    token): its states pass leaves each segment its own S and W and the walk folds them, against
-    fp64 with states in and out (gamma 0.99 carries across 64-token segments, so a wrong power of
-    gamma in the fold shows), and close to the unsplit walk."""
+    token): its states pass leaves each segment its own S and W and the walk folds them. Against
+    fp64 with states in and out, and against the unsplit walk within fp32 rounding, which a fold
+    carrying S and W by gamma^(L+1) would exceed (with three segments or more: shown on the fp64
+    model of that slip, non-negative inputs)."""
     if not _wgmma():
         pytest.skip("the wgmma kernel needs compute capability 9.0")
     dk, dv = sizes
+    seg_len = fm.segment_length(n, segments)
     for positive in (True, False):
         x = _inputs(n, dk, dv, positive, 13 * n + dk)
         with override(segments=segments):
             got = _got("tf32", *x)
+        one = _got("tf32", *x)
         mag = None if positive else _magnitude(*x)
-        _check("tf32", got, _want_of(*x, gammas=GAMMAS), mag, f"split {segments} n={n} {sizes} positive={positive}")
-        _check("tf32", got, _got("tf32", *x), mag, f"split against one walk, n={n} {sizes}")
+        what = f"split {segments} n={n} {sizes} positive={positive}"
+        _check("tf32", got, _want_of(*x, gammas=GAMMAS), mag, what)
+        bound = SPLIT_TOL * (one.abs() + (0 if mag is None else mag))
+        worst = float(((got - one).abs() / bound).max())
+        assert worst <= 1, f"{what}: {worst:.3g} tolerances from the unsplit walk"
+        if positive and -(-n // seg_len) >= 3:
+            q, k, v, grad = (t.double() for t in x[:4])
+            lg = torch.tensor(GAMMAS, dtype=F64, device="cuda")
+            right = fm.masked_log_decay_grad(q, k, v, grad, lg, SCALE)
+            wrong = fm.masked_log_decay_grad(q, k, v, grad, lg, SCALE, fm.segment_carry(n, seg_len)[0])
+            caught = float(((wrong - right).abs() / bound).max())  # the slip's effect without the states
+            assert caught >= 2, f"{what}: a wrong fold carry would be only {caught:.3g} tolerances off"
 
 
 @pytest.mark.parametrize("which", ("k", "grad"))
