@@ -174,14 +174,23 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
     const int m = r0 + 16 * w4 + g;  // tokens 8 kk + 2 t4 (+ 1): kk moves the offsets by 1024 kk
     const int o00 = rtk_swz_off32(C, 2 * t4, m), o01 = rtk_swz_off32(C, 2 * t4, m + 8);
     const int o10 = rtk_swz_off32(C, 2 * t4 + 1, m), o11 = rtk_swz_off32(C, 2 * t4 + 1, m + 8);
+    // k-step kk's operands (x and the weights, shared memory), read one k-step ahead: the wgmma
+    // fences order every shared-memory access, so a read after one waits out its latency there
+    float xv[2][4], wv[2][4];
+    auto read = [&](int kk, float (&xs4)[4], float (&ws4)[4]) {
+      const int s0 = 8 * kk + 2 * t4;
+      xs4[0] = *reinterpret_cast<const float*>(x + o00 + 1024 * kk);
+      xs4[1] = *reinterpret_cast<const float*>(x + o01 + 1024 * kk);
+      xs4[2] = *reinterpret_cast<const float*>(x + o10 + 1024 * kk);
+      xs4[3] = *reinterpret_cast<const float*>(x + o11 + 1024 * kk);
+      ws4[0] = w_a[s0], ws4[1] = w_a[s0 + 1], ws4[2] = w_b[s0], ws4[3] = w_b[s0 + 1];
+    };
+    read(0, xv[0], wv[0]);
     #pragma unroll
     for (int kk = 0; kk < C / 8; ++kk) {
-      const int s0 = 8 * kk + 2 * t4, s1 = s0 + 1;
-      const float x00 = *reinterpret_cast<const float*>(x + o00 + 1024 * kk);
-      const float x01 = *reinterpret_cast<const float*>(x + o01 + 1024 * kk);
-      const float x10 = *reinterpret_cast<const float*>(x + o10 + 1024 * kk);
-      const float x11 = *reinterpret_cast<const float*>(x + o11 + 1024 * kk);
-      const float a0 = w_a[s0], a1 = w_a[s1], b0 = w_b[s0], b1 = w_b[s1];
+      const float x00 = xv[kk & 1][0], x01 = xv[kk & 1][1], x10 = xv[kk & 1][2], x11 = xv[kk & 1][3];
+      const float a0 = wv[kk & 1][0], a1 = wv[kk & 1][1], b0 = wv[kk & 1][2], b1 = wv[kk & 1][3];
+      if (kk + 1 < C / 8) read(kk + 1, xv[(kk + 1) & 1], wv[(kk + 1) & 1]);
       rtk_u32 (&fa)[4] = a[kk & 1][0];
       rtk_u32 (&fb)[4] = a[kk & 1][1];
       fa[0] = rtk_tf32_operand(x00 * a0), fa[1] = rtk_tf32_operand(x01 * a0);
