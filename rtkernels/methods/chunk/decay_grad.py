@@ -42,8 +42,8 @@ On Hopper the "tf32" mode with 16-byte aligned rows and Dk <= 128 runs ``rtk_chu
 warpgroups owning a 64 x 64 block of S and W (KMAX 128: 64 value columns a CTA; KMAX 64: 128), v
 and do stored transposed in shared memory, and the causal block's term as sum_t do_t . (P~ v)_t
 with P~ = (t - s) gamma^(t - s) q_t . k_s from registers (:func:`tf32_wg_kmax`; H100, (4, 32,
-4096, 128): 0.75 ms against 1.84 for the mma.sync kernel; a trainable decay's step 1.23x the fixed
-one, 1.53x before).
+4096, 128): 0.71 ms against 1.79 for the mma.sync kernel; a trainable decay's step about 1.28x the
+fixed one, 1.53x with the mma.sync kernel).
 
 Work per CTA and chunk: four KMAX x BV x 64 products (the two over k and v in one pass) and the
 causal block of two 64 x 64 score matrices (q k^T over KMAX, recomputed for each value tile;
