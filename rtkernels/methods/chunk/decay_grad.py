@@ -240,7 +240,8 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     ``rtk_chunk_decay_grad_f32`` in ``fp32_precision``'s mode ("exact": 3xTF32, about fp32
     accuracy; "tf32": one TF32 product, about 1e-3).
 
-    Two launches: the partial sums, then ``rtk_chunk_decay_grad_sum`` (``chunk/decay_grad_sum.cu``),
+    Two launches (three where the "tf32" wgmma kernel splits the sequence: its states pass first):
+    the partial sums, then ``rtk_chunk_decay_grad_sum`` (``chunk/decay_grad_sum.cu``),
     which adds them per head in a fixed order in fp64; with ``for_source`` and a CUDA decay tensor
     of factors or rates it also applies the chain rule (:meth:`LogDecay.source_grad`'s), giving
     dL/d(the caller's tensor) in float32 instead."""
