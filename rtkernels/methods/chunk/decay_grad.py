@@ -86,12 +86,12 @@ its own, as it does the S copy.
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from ...decay import LogDecay
-from ...jit import dtype_code, get_function, launch
+from ...jit import Kernel, dtype_code, get_function, launch
 from .._launch import fwd_tail, unit_stride
 from .plan import (WGMMA_OPTIONS, _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config, dlog_launch, dual_launch,
                    fuses_dk_dv, split, tf32_dlog_segments)
@@ -270,7 +270,7 @@ def kernel_log_decay_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log
     return sum_partials(partial, log_decay, for_source)
 
 
-def _walk_tf32(fn: Any, pointers: tuple, tail: tuple, q: torch.Tensor, v: torch.Tensor, bv: int, smem: int,
+def _walk_tf32(fn: Kernel, pointers: tuple, tail: tuple, q: torch.Tensor, v: torch.Tensor, bv: int, smem: int,
                options: tuple[str, ...], log_decay: LogDecay, for_source: bool) -> torch.Tensor:
     """``rtk_chunk_decay_grad_tf32`` over :func:`.plan.tf32_dlog_segments` segments of the sequence
     (``overrides.segments`` wins): with more than one, its states instance first leaves each segment
