@@ -228,7 +228,7 @@ def test_tf32_wgmma_split_plan():
     """The wgmma dlog kernel splits the sequence only where its CTAs fill at most half the SMs (one
     CTA per SM, segments of at least 32 chunks), on 132 SMs: (1, 32, 16384, 128) in 2 segments,
     (1, 16, 32768, 128) in 4, the mid and small shapes not at all; its states instances compile
-    with the walk's options."""
+    with the walk's options and launch 256 threads, as does the KMAX 64 walk (the KMAX 128 walk 384)."""
     seg = chunk.tf32_dlog_segments
     assert seg(32 * 2, 16384, 132) == 2 and seg(16 * 2, 32768, 132) == 4
     assert seg(4 * 32 * 2, 4096, 132) == 1 and seg(2 * 32 * 2, 1024, 132) == 1
@@ -238,6 +238,8 @@ def test_tf32_wgmma_split_plan():
         states = decay_grad.name_expression_tf32(kmax, True)
         assert states == f"rtk_chunk_decay_grad_tf32<{kmax}, true>" and states in names
         assert chunk.instance_options()[states] == chunk.WGMMA_OPTIONS
+    # the KMAX 128 walk has its causal warpgroup; the states pass and the KMAX 64 walk have none
+    assert [decay_grad.tf32_threads(*a) for a in ((128,), (128, True), (64,), (64, True))] == [384, 256, 256, 256]
 
 
 def test_cpu_kernel_backward_keeps_the_torch_formula(monkeypatch):

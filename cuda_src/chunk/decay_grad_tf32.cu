@@ -3,16 +3,19 @@
 //
 // The sum, the walk, the weight tables and the fixed-order CTA sum are rtk_chunk_decay_grad_f32's
 // (decay_grad.cu's header has the math, dlog.cuh the shared pieces). A CTA covers KMAX x BV of the
-// state with KMAX * BV = 128 * 64; each warpgroup owns a 64 x 64 block of it (KMAX 128: rows 64 r..,
-// KMAX 64: columns 64 r..) and, per chunk of 64 tokens:
+// state with KMAX * BV = 128 * 64; each of warpgroups 0 and 1 owns a 64 x 64 block of it (KMAX 128:
+// rows 64 r..; KMAX 64: columns 64 r..) and, per chunk of 64 tokens:
 // - A1', A2' = (q w)^T do over its block: A from registers (q times the token weight, rounded to
 //   TF32), B = do^T; then <S, A1'> and <W, A2'> entry by entry in registers;
 // - D1, D2' = (k w)^T v the same way, each from zero, joining S and W by fp32 FMAs (the tensor
-//   cores' adder truncates, which compounds over a long sequence where S is the accumulator);
-// - the intra term over its share: P = q k^T over its 64 key columns (KMAX 128) or all of them
-//   (KMAX 64), P~ = (t - s) gamma^(t - s) P below the diagonal, then sum_t do_t . (P~ v)_t over its
-//   64 value columns (KMAX 64) or all of them (KMAX 128). Every term is linear in the key and the
-//   value columns, so the two shares add up to the causal block's sum.
+//   cores' adder truncates, which compounds over a long sequence where S is the accumulator).
+// The intra term, P = q k^T, P~ = (t - s) gamma^(t - s) P below the diagonal, then
+// sum_t do_t . (P~ v)_t: with KMAX 64 each state warpgroup adds it over its 64 value columns
+// (every term is linear in the value columns) between its state products. With KMAX 128 a third
+// warpgroup (the causal one, 384 threads) computes it whole, q k^T over all 128 key columns, while
+// the other two run the state chain: the state warpgroups were the latency-bound part, six
+// dependent 64 x 64 x 64 products a chunk, now four. setmaxnreg moves registers from the causal
+// warpgroup (96 a thread) to the state ones (200), within the launch's 168 a thread.
 // TF32 wgmma reads shared-memory operands K-major only, so v and do are stored transposed (4-byte
 // cp.async, rtk_tf32_vt_elem) with keys at rtk_tf32_key_col, which lets P~'s accumulator be P~ v's A
 // operand. Each thread rounds what it copied to TF32 in place (cvt.rna: the tensor cores would
@@ -49,8 +52,9 @@ struct rtk_dgt_shape {
   rtk_i64 seg_len;
 };
 
+// Threads: 384 for the KMAX 128 walk (its causal warpgroup), else 256 (decay_grad.py: tf32_threads).
 template <int KMAX, bool STATES>
-__global__ void __launch_bounds__(256, 1)
+__global__ void __launch_bounds__(KMAX == 128 && !STATES ? 384 : 256, 1)
 rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__ k, const float* __restrict__ v,
                           const float* __restrict__ dout, const void* __restrict__ decay,
                           const float* __restrict__ init_state, const float* __restrict__ grad_state,
@@ -66,12 +70,14 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
   extern __shared__ __align__(16) unsigned char smem_base[];
   unsigned char* sm = smem_base + ((1024 - (rtk_smem_addr(smem_base) & 1023)) & 1023);
   const rtk_u32 base = rtk_smem_addr(sm);
-  __shared__ float red[8];
+  constexpr bool CWG = KMAX == 128 && !STATES;  // a causal warpgroup (the header)
+  __shared__ float red[CWG ? 12 : 8];
   __shared__ float wtab[2][4][C];
   __shared__ float dtab[C], wconst[4];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t4 = lane & 3, wg = warp >> 2, w4 = warp & 3;
+  const bool causal = CWG && wg == 2;  // the causal block's warpgroup (no state, no copies)
   const rtk_dg_cta<float, BV> cta(p, q, k, v, dout, decay, ps.seg_len);
   const int bh = cta.bh, N = cta.N, Dk = cta.Dk, Dv = (int)p.Dv, v0 = cta.v0, dv_here = cta.dv_here;
   const int nchunks = cta.nchunks;
@@ -144,15 +150,63 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
       }
   };
 
-  if (nchunks > 0) load_chunk(0, 0);
+  if (nchunks > 0 && !causal) load_chunk(0, 0);
   rtk_cp_async_commit();
   rtk_dg_tables_f32(tid, lg2, N, nchunks, wtab, wconst, dtab);
+  const int z = blockIdx.z, nseg = STATES ? gridDim.z + 1 : gridDim.z;
+  float* const out = partial + (((rtk_i64)z * (gridDim.x / p.H) + cta.b) * gridDim.y + cta.tile) * p.H + cta.h;
+
+  // ---- intra part: P~ = (t - s) gamma^(t - s) P for s < t (a select above the diagonal: an Inf
+  // score there must not make NaN; a product with weight 0 on it), then sum_t do_t . (P~ v)_t over
+  // value columns cv.. ----
+  auto intra = [&](float (&pr)[NT][4], unsigned long long dvt, int stage, int cv, float& sum) {
+    #pragma unroll
+    for (int j = 0; j < NT; ++j)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int d = (16 * w4 + g + 8 * (e >> 1)) - (8 * j + 2 * t4 + (e & 1));  // t - s
+        pr[j][e] = d >= 0 ? pr[j][e] * dtab[d] : 0.f;
+      }
+    float ro[32];
+    rtk_tf32_pv<false>(ro, pr, dvt, BV);
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {  // do[t][col]: column col + 8 nt at 1024 nt further
+      const int t = 16 * w4 + g + 8 * (e >> 1), col = cv + 2 * t4 + (e & 1);
+      const int o = rtk_swz_off32(BV, col, rtk_tf32_key_col(t));
+      #pragma unroll
+      for (int nt = 0; nt < NT; ++nt) sum = fmaf(ro[4 * nt + e], at(L::DT, stage, o + 1024 * nt), sum);
+    }
+  };
+  if (causal) {
+    // ---- the causal warpgroup: P = q k^T over all of Dk, then the intra part, chunk by chunk; the
+    // state warps' barrier a chunk says when a stage has landed (rounded) and when it may be refilled
+    rtk_reg_dealloc<96>();
+    float acci = 0.f;
+    for (int chunk = 0; chunk < nchunks; ++chunk) {
+      const int stage = chunk & 1;
+      __syncthreads();
+      float pr[NT][4];
+      float (&pa)[32] = reinterpret_cast<float (&)[32]>(pr);
+      const unsigned long long dq = rtk_wg_desc(tile(stage, L::Q), 16, 1024);
+      const unsigned long long dk = rtk_wg_desc(tile(stage, L::K), 16, 1024);
+      rtk_wg_fence();
+      #pragma unroll
+      for (int ks = 0; ks < KMAX / 8; ++ks)
+        rtk_wgmma_tf32_ss(pa, rtk_desc_at(dq, rtk_kmajor_step(C, ks)), rtk_desc_at(dk, rtk_kmajor_step(C, ks)), ks);
+      rtk_wg_commit();
+      rtk_wg_wait<0>();
+      rtk_wg_pin(pa);
+      intra(pr, rtk_wg_desc(tile(stage, L::VT), 16, 1024), stage, 0, acci);
+    }
+    rtk_dg_cta_sum<12>(scale * acci, red, out);
+    return;
+  }
+  if (CWG) rtk_reg_alloc<200>();  // the pool is 168 a thread at launch: 2 (200 - 168) <= 168 - 96
 
   const rtk_chunk_state<1, NT> frag = {r0 + 16 * w4, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, 0};
   float s_acc[1][NT][4], w_acc[1][NT][4];
   // S and W entering the segment: the initial state and 0 for segment 0 (and for every segment of
   // the states pass, whose slots hold each segment's own S and W), else folded from those slots
-  const int z = blockIdx.z, nseg = STATES ? gridDim.z + 1 : gridDim.z;
   const rtk_i64 slot = (rtk_i64)gridDim.x * Dk * Dv;
   if (STATES || z == 0) {
     frag.load(s_acc, z == 0 ? init_state : nullptr);
@@ -222,17 +276,16 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
     const unsigned long long dvt = rtk_wg_desc(tile(stage, L::VT) + c0 * 128, 16, 1024);
     const unsigned long long ddt = rtk_wg_desc(tile(stage, L::DT) + c0 * 128, 16, 1024);
 
-    // P = q k^T over this share's key columns, on the tensor cores while the state part runs
+    // KMAX 64: P = q k^T over all 64 key columns, on the tensor cores while the state part runs
     float pr[NT][4];
     float (&pa)[32] = reinterpret_cast<float (&)[32]>(pr);
-    if (!STATES) {
+    if (!STATES && !CWG) {
       const unsigned long long dq = rtk_wg_desc(tile(stage, L::Q), 16, 1024);
       const unsigned long long dk = rtk_wg_desc(tile(stage, L::K), 16, 1024);
       rtk_wg_fence();
       #pragma unroll
-      for (int ks = 0; ks < 8; ++ks)
-        rtk_wgmma_tf32_ss(pa, rtk_desc_at(dq, rtk_kmajor_step(C, r0 / 8 + ks)),
-                          rtk_desc_at(dk, rtk_kmajor_step(C, r0 / 8 + ks)), ks);
+      for (int ks = 0; ks < KMAX / 8; ++ks)
+        rtk_wgmma_tf32_ss(pa, rtk_desc_at(dq, rtk_kmajor_step(C, ks)), rtk_desc_at(dk, rtk_kmajor_step(C, ks)), ks);
       rtk_wg_commit();
     }
     // ---- state part: acc1 += <S, A1'>, acc2 += <W, A2'> (the S and W entering the chunk) ----------
@@ -240,7 +293,7 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
       float t1[32], t2[32];
       if (!STATES) {
         products(t1, t2, tile(stage, L::Q), wt + 0 * C, wt + 1 * C, ddt);
-        rtk_wg_pin(pa);  // q k^T landed with them
+        if (!CWG) rtk_wg_pin(pa);  // q k^T landed with them
         #pragma unroll
         for (int i = 0; i < 32; ++i) {
           acc1 = fmaf(sa[i], t1[i], acc1);
@@ -259,26 +312,7 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
       rtk_wg_pin(sa);  // the step before the intra part's wgmma (t1, t2 die here)
       rtk_wg_pin(wa);
     }
-    // ---- intra part: P~ = (t - s) gamma^(t - s) P for s < t (a select above the diagonal: an Inf
-    // score there must not make NaN; a product with weight 0 on it), then sum_t do_t . (P~ v)_t ----
-    if (!STATES) {
-      #pragma unroll
-      for (int j = 0; j < NT; ++j)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int d = (16 * w4 + g + 8 * (e >> 1)) - (8 * j + 2 * t4 + (e & 1));  // t - s
-          pr[j][e] = d >= 0 ? pr[j][e] * dtab[d] : 0.f;
-        }
-      float ro[32];
-      rtk_tf32_pv<false>(ro, pr, dvt, BV);
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) {  // do[t][col]: column col + 8 nt at 1024 nt further
-        const int t = 16 * w4 + g + 8 * (e >> 1), col = c0 + 2 * t4 + (e & 1);
-        const int o = rtk_swz_off32(BV, col, rtk_tf32_key_col(t));
-        #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) acci = fmaf(ro[4 * nt + e], at(L::DT, stage, o + 1024 * nt), acci);
-      }
-    }
+    if (!STATES && !CWG) intra(pr, dvt, stage, c0, acci);
   }
 
   if (STATES) {  // this segment's own S and W into S slot z + 1 and W slot z + 1 (fold_with's layout)
@@ -287,6 +321,6 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
     return;
   }
   // <G, W_end> belongs to the last segment; the partial sums are [segments * B, tiles, H]
-  rtk_dg_finish(frag, w_acc, z + 1 == nseg ? grad_state : nullptr, scale, wconst, acc1, acc2, acci, red,
-                partial + (((rtk_i64)z * (gridDim.x / p.H) + cta.b) * gridDim.y + cta.tile) * p.H + cta.h);
+  rtk_dg_finish<1, NT, CWG ? 12 : 8>(frag, w_acc, z + 1 == nseg ? grad_state : nullptr, scale, wconst, acc1, acc2,
+                                      acci, red, out);
 }

@@ -187,11 +187,28 @@ __device__ __forceinline__ float rtk_dg_intra(const float (&p)[2][4], const floa
   return acc;
 }
 
+// The CTA's sum of one value per thread in a fixed order (warp shuffles, then warps 0 .. WARPS - 1
+// through shared memory, no atomics), written by thread 0 to *out.
+template <int WARPS>
+__device__ __forceinline__ void rtk_dg_cta_sum(float val, float* red, float* out) {
+  #pragma unroll
+  for (int off = 16; off > 0; off >>= 1) val += __shfl_xor_sync(0xffffffffu, val, off);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) red[warp] = val;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float s = 0.f;
+    #pragma unroll
+    for (int w = 0; w < WARPS; ++w) s += red[w];
+    *out = s;
+  }
+}
+
 // The end of the walk: <G, W_end> over the warp's real state elements, the scale and the
 // normalisers (acc1 = sum <S, A1'>, acc2 = sum <W, A2'>, acci the intra term), then the CTA's sum
 // in a fixed order (warp shuffles, then warps 0..7 through shared memory, no atomics), written by
 // thread 0 to *out.
-template <int MT, int NT>
+template <int MT, int NT, int WARPS = 8>
 __device__ __forceinline__ void rtk_dg_finish(const rtk_chunk_state<MT, NT>& frag, const float (&w_acc)[MT][NT][4],
                                               const float* grad_state, float scale, const float* wconst, float acc1,
                                               float acc2, float acci, float* red, float* out) {
@@ -201,16 +218,5 @@ __device__ __forceinline__ void rtk_dg_finish(const rtk_chunk_state<MT, NT>& fra
       if (real) accg = fmaf(grad_state[off], w_acc[mt][nt][e], accg);
     });
   }
-  float val = fmaf(scale, fmaf(wconst[2], acc1, fmaf(wconst[3], acc2, acci)), accg);
-  #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) val += __shfl_xor_sync(0xffffffffu, val, off);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) red[warp] = val;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float s = 0.f;
-    #pragma unroll
-    for (int w = 0; w < 8; ++w) s += red[w];
-    *out = s;
-  }
+  rtk_dg_cta_sum<WARPS>(fmaf(scale, fmaf(wconst[2], acc1, fmaf(wconst[3], acc2, acci)), accg), red, out);
 }

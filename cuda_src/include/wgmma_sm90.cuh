@@ -79,6 +79,18 @@ template <int R> __device__ __forceinline__ void rtk_wg_pin(float (&d)[R]) {
   #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
 }
+// A warpgroup's registers per thread, lowered (giving them to the CTA's pool) or raised (taking
+// them from it) to N, a multiple of 8; every warp of the warpgroup runs it.
+template <int N> __device__ __forceinline__ void rtk_reg_dealloc() {
+#ifdef RTK_HAS_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N) : "memory");
+#endif
+}
+template <int N> __device__ __forceinline__ void rtk_reg_alloc() {
+#ifdef RTK_HAS_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N) : "memory");
+#endif
+}
 // Orders this thread's generic-proxy shared-memory writes before later async-proxy (wgmma) reads.
 __device__ __forceinline__ void rtk_fence_proxy_async() {
 #ifdef RTK_HAS_WGMMA

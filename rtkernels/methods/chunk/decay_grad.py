@@ -39,11 +39,12 @@ the "tf32" mode; each chunk's k^T v sums start from zero and join S and W by fp3
 cores' adder truncates, which compounds over a long sequence when S itself is the accumulator).
 On Hopper the "tf32" mode with 16-byte aligned rows and Dk <= 128 runs ``rtk_chunk_decay_grad_tf32``
 (``cuda_src/chunk/decay_grad_tf32.cu``, TF32 wgmma) instead: the same sum, each of a CTA's two
-warpgroups owning a 64 x 64 block of S and W (KMAX 128: 64 value columns a CTA; KMAX 64: 128), v
+state warpgroups owning a 64 x 64 block of S and W (KMAX 128: 64 value columns a CTA; KMAX 64: 128), v
 and do stored transposed in shared memory, and the causal block's term as sum_t do_t . (P~ v)_t
-with P~ = (t - s) gamma^(t - s) q_t . k_s from registers (:func:`tf32_wg_kmax`; H100, (4, 32,
-4096, 128): 0.71 ms against 1.79 for the mma.sync kernel; a trainable decay's step about 1.28x the
-fixed one, 1.53x with the mma.sync kernel).
+with P~ = (t - s) gamma^(t - s) q_t . k_s from registers (:func:`tf32_wg_kmax`). With KMAX 128 a
+third warpgroup computes that term while the other two run the state products
+(:func:`tf32_threads`; H100, (4, 32, 4096, 128): 0.64 ms, against 0.71 with two warpgroups and
+1.79 for the mma.sync kernel; a trainable decay's step 1.25x the fixed one).
 
 Work per CTA and chunk: four KMAX x BV x 64 products (the two over k and v in one pass) and the
 causal block of two 64 x 64 score matrices (q k^T over KMAX, recomputed for each value tile;
@@ -98,7 +99,7 @@ from .plan import (WGMMA_OPTIONS, _sm_count, _wgmma_ok, aligned, current_overrid
 
 __all__ = ["SOURCE", "SOURCE_F32", "SOURCE_TF32", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "kernel_config_f32",
            "all_configs", "all_configs_f32", "name_expression", "name_expression_f32", "smem_bytes", "smem_bytes_f32",
-           "tf32_wg_kmax", "tf32_wg_bv", "name_expression_tf32", "names_tf32", "smem_bytes_tf32", "instance_options",
+           "tf32_wg_kmax", "tf32_wg_bv", "tf32_threads", "name_expression_tf32", "names_tf32", "smem_bytes_tf32", "instance_options",
            "kernel_log_decay_grad", "kernel_log_decay_grad_tf32",
            "dq_pass_sums", "dq_pass_partials", "sum_partials", "PartialSums", "torch_w_recurrence"]
 
@@ -189,6 +190,12 @@ def tf32_wg_bv(kmax: int) -> int:
     """Value columns of a ``rtk_chunk_decay_grad_tf32`` CTA: KMAX * BV = 128 * 64, each of its two
     warpgroups a 64 x 64 block of the state (rtk_dgt_smem::BV)."""
     return 128 * 64 // kmax
+
+
+def tf32_threads(kmax: int, states: bool = False) -> int:
+    """Threads of a ``rtk_chunk_decay_grad_tf32`` CTA: 384 for the KMAX 128 walk (two state
+    warpgroups and the causal one), else 256 (the two state warpgroups)."""
+    return 384 if kmax == 128 and not states else 256
 
 
 def name_expression_tf32(kmax: int, states: bool = False) -> str:
@@ -285,11 +292,14 @@ def _walk_tf32(fn: Kernel, pointers: tuple, tail: tuple, q: torch.Tensor, v: tor
     partial = torch.empty(nseg * b, tiles, h, dtype=torch.float32, device=q.device)
     slots = torch.empty(2 * nseg * b * h * dk * dv, dtype=torch.float32, device=q.device) if nseg > 1 else None
     args = (*pointers, partial.data_ptr(), 0 if slots is None else slots.data_ptr(), *tail, seg_len)
+    kmax = tf32_wg_kmax(dk)
     if slots is not None:
-        states = get_function(SOURCE_TF32, name_expression_tf32(tf32_wg_kmax(dk), True), dev, extra_options=options,
+        states = get_function(SOURCE_TF32, name_expression_tf32(kmax, True), dev, extra_options=options,
                               dynamic_smem=smem)
-        launch(states, (b * h, tiles, nseg - 1), (256, 1, 1), args, dev, shared_mem=smem, pointers=9)
-    launch(fn, (b * h, tiles, nseg), (256, 1, 1), args, dev, shared_mem=smem, pointers=9)  # then rtk_dgt_shape
+        launch(states, (b * h, tiles, nseg - 1), (tf32_threads(kmax, True), 1, 1), args, dev, shared_mem=smem,
+               pointers=9)
+    launch(fn, (b * h, tiles, nseg), (tf32_threads(kmax), 1, 1), args, dev, shared_mem=smem,
+           pointers=9)  # then rtk_dgt_shape
     return sum_partials(partial, log_decay, for_source)
 
 
