@@ -14,7 +14,7 @@ logs=${2:-.}
 export RTKERNELS_CACHE_DIR=${RTKERNELS_CACHE_DIR:-/tmp/rtk_suite}
 export RTKERNELS_TEST_CACHE_DIR=$RTKERNELS_CACHE_DIR
 case $shard in
-  1) files="methods variants_gamma decay_grad_f32 normalized decode fp32 limits nn compile_op property call_cache cached_grad" ;;
+  1) files="methods variants_gamma decay_grad_f32 normalized decode fp32 limits nn compile_op property call_cache cached_grad compiled_call" ;;
   2) files="chunk_kernels dq_pass_dlog varlen" ;;
   3) files="decay_grad kernel_backward grad device_decay fused_dk_dv large_heads tensor_copies planned_backward dq_forward_states" ;;
   4) files="compat_fla two_devices pycuda" ;;

@@ -12,7 +12,7 @@ import torch
 from .autograd import attention_with_grad, needs_grad, track_decay
 from . import decay as _decay
 from .decay import KIND_FACTOR, KIND_RATE, LogDecay
-from . import call_cache
+from . import call_cache, compiled_call
 from . import varlen as _varlen
 from .methods import METHODS, auto_method, run_method
 from .methods.chunk import packed as _packed
@@ -37,6 +37,7 @@ Array = Any  # a torch.Tensor or an object with __cuda_array_interface__ (e.g. a
 #: grad); it returns NotImplemented for a call it leaves to the eager path. Eager calls never reach
 #: it: their host cost stays that of the checks or the call cache.
 op_call: Optional[Callable[..., Any]] = None
+_MISS = compiled_call.MISS
 _is_compiling = torch.compiler.is_compiling
 _func_active = torch._C._are_functorch_transforms_active  # vmap's tensors have no storage to key by
 
@@ -236,12 +237,7 @@ def _cached_with_grad(hit: call_cache.CachedCall, q: torch.Tensor, k: torch.Tens
     launch (the signature fixed everything the checks looked at; a CUDA decay tensor is wrapped
     afresh, being the Function's input)."""
     g = hit.grad
-    if g.host_decay is not None:
-        log_decay = g.host_decay
-    else:
-        log_decay = LogDecay(hit.device, raw=decay.detach(), kind=g.decay_kind)
-        if decay.requires_grad:
-            log_decay.source, log_decay.source_kind = decay, g.decay_kind
+    log_decay = g.log_decay(decay)
     out, state = attention_with_grad(g.method, q, k, v, log_decay, g.scale, None, "bnhd" if g.bnhd else "bhnd",
                                      initial_state, g.return_state, g.fp32_precision, hit.launcher)
     return (out, state) if g.return_state else out
@@ -388,9 +384,18 @@ def causal_linear_attention(
         res = op_call(q, k, v, decay, decay_rate, scale, method, layout, initial_state, return_state, fp32_precision)
         if res is not NotImplemented:
             return res
+    compiled = compiled_call.module
+    if compiled is not None:  # the compiled entry (rtkernels.compiled_call): the cached call in one C++ call
+        res = compiled.call(q, k, v, decay, decay_rate, scale, method, layout, initial_state, return_state,
+                            fp32_precision)
+        if res is not _MISS:
+            return res
     key = call_cache.call_key(q, k, v, decay, decay_rate, scale, method, layout, initial_state, return_state, fp32_precision)
     if key is not None:
         hit = call_cache.lookup(key)
+        if hit is not None and hit.offered != compiled_call.generation:
+            compiled_call.offer((q, k, v, decay, decay_rate, scale, method, layout, initial_state, return_state,
+                                 fp32_precision), hit)
         if hit is not None and hit.grad is not None:
             return _cached_with_grad(hit, q, k, v, decay if decay_rate is None else decay_rate, initial_state)
         if hit is not None:
@@ -399,6 +404,7 @@ def causal_linear_attention(
             state = hit.launcher(q, k, v, out, initial_state,
                                  (decay if decay_rate is None else decay_rate) if hit.device_decay else None)
             return (out, state) if return_state else out
+    args = (q, k, v, decay, decay_rate, scale, method, layout, initial_state, return_state, fp32_precision)
     qt, kt, vt, kind = _check_inputs(q, k, v, layout)
     scale, return_state = _check_call_options(scale, method, return_state)
     fp32_precision = _check_fp32_precision(fp32_precision)
@@ -437,15 +443,15 @@ def causal_linear_attention(
                                              fp32_precision, launcher)
             if launcher is not None:
                 device_decay = log_decay.raw is not None
-                call_cache.remember(key, launcher, out, v, device_decay, call_cache.GradCall(
+                compiled_call.offer(args, call_cache.remember(key, launcher, out, v, device_decay, call_cache.GradCall(
                     name, scale, layout == "bnhd", return_state, fp32_precision,
-                    None if device_decay else log_decay, log_decay.kind))
+                    None if device_decay else log_decay, log_decay.kind)))
         elif (key is not None and m.kernel_prepare is not None and m.uses_kernel(qt, vt)
               and qt.stride(-1) == kt.stride(-1) == vt.stride(-1) == 1):  # plan, run, and cache the plan
             launcher = m.kernel_prepare(qt, kt, vt, log_decay, scale, out_view, return_state,
                                         fp32_precision=fp32_precision)
             state = launcher(qt, kt, vt, out_view, s0)
-            call_cache.remember(key, launcher, out, v, log_decay.raw is not None)
+            compiled_call.offer(args, call_cache.remember(key, launcher, out, v, log_decay.raw is not None))
         else:
             state = run_method(name, qt, kt, vt, log_decay, scale, out_view, s0, return_state,
                                fp32_precision=fp32_precision)

@@ -2,7 +2,7 @@ r"""Gradients for every method: one ``torch.autograd.Function`` and an explicit 
 
 The forward runs whichever method was asked for (its CUDA kernel or its torch path) through
 :func:`rtkernels.methods.run_method`, with no autograd graph and the call's ``fp32_precision``
-(carried in ``_Call``), and keeps q, k, v, the initial state and the per-head log-decay. The
+(carried in ``Call``), and keeps q, k, v, the initial state and the per-head log-decay. The
 backward does not depend on the method; :func:`backward_impl` picks it per call from
 :data:`BACKWARD_IMPLS` by the inputs:
 
@@ -92,7 +92,7 @@ from .jit.dtypes import compute_dtype
 
 __all__ = ["Grads", "BackwardImpl", "BACKWARD_IMPLS", "backward_impl", "torch_backward", "track_decay",
            "needs_grad", "attention_with_grad", "CausalLinearAttentionFunction", "CHUNK", "log_decay_grad",
-           "DECAY_GRAD_BYTES", "call_gradients"]
+           "DECAY_GRAD_BYTES", "call_gradients", "Call"]
 
 #: Tokens per chunk of the torch backward.
 CHUNK = 64
@@ -268,7 +268,7 @@ def backward_impl(q: torch.Tensor, v: torch.Tensor) -> BackwardImpl:
     return next(fn for supports, fn in BACKWARD_IMPLS if supports(q, v))
 
 
-class _Call:
+class Call:
     """The non-tensor arguments of one call: the method, the decay, scale, layout (``bnhd``), the
     state flag, the float32 mode of a ``chunk`` kernel forward ("exact" or "tf32", ignored
     elsewhere) and a planned kernel launch for the forward (the cached call's), else None
@@ -297,7 +297,7 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def forward(ctx, call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 log_decay_source: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
                 out: Optional[torch.Tensor]):
         ctx.save_for_backward(q, k, v, initial_state)
@@ -341,7 +341,7 @@ class CausalLinearAttentionFunction(torch.autograd.Function):
         return None, dq, dk, dv, d_decay, d_s0, None
 
 
-def call_gradients(call: _Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def call_gradients(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    initial_state: Optional[torch.Tensor], grad_out: torch.Tensor, grad_state: Optional[torch.Tensor],
                    needs: Any, source_meta: Optional[tuple[torch.device, torch.dtype]],
                    forward_states: Optional[tuple] = None) -> tuple:
@@ -445,6 +445,6 @@ def attention_with_grad(method: str, q: torch.Tensor, k: torch.Tensor, v: torch.
     input written in place). ``fp32_precision`` is the forward's float32 mode, as for
     :func:`rtkernels.methods.run_method`; ``launcher``: a planned kernel launch of ``method`` for
     these inputs and a contiguous output (the forward runs it)."""
-    call = _Call(method, log_decay, scale, layout == "bnhd", return_state, fp32_precision, launcher)
+    call = Call(method, log_decay, scale, layout == "bnhd", return_state, fp32_precision, launcher)
     res = _apply_attention(call, q, k, v, log_decay.source, initial_state, out)
     return res if return_state else (res, None)

@@ -8,27 +8,28 @@ checks and the plan depend on, so a cached call accepts exactly what the full pa
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-from .decay import strict
+from .decay import LogDecay, strict
 from .methods import plan_epoch
 
-__all__ = ["call_key", "lookup", "remember", "clear", "size", "CachedCall", "GradCall"]
+__all__ = ["call_key", "lookup", "remember", "clear", "on_clear", "size", "CachedCall", "GradCall"]
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter  # a trainable decay: keyed as the tensor it is
 _MAX = 512
 _calls: dict[tuple, "CachedCall"] = {}
 _NO_KEY = object()
+_on_clear: list[Callable[[], None]] = []
 
 
 class CachedCall:
     """A planned launch and how to allocate its output; for a call with autograd history
     (``grad``), what the autograd Function needs besides the tensors (:class:`GradCall`)."""
 
-    __slots__ = ("launcher", "out_shape", "dtype", "device", "like_v", "device_decay", "grad")
+    __slots__ = ("launcher", "out_shape", "dtype", "device", "like_v", "device_decay", "grad", "offered")
 
     def __init__(self, launcher: Any, out: torch.Tensor, like_v: bool, device_decay: bool,
                  grad: Optional["GradCall"] = None):
@@ -36,6 +37,7 @@ class CachedCall:
         self.like_v = like_v  # v is contiguous, so torch.empty_like(v) is the output (the cheaper call)
         self.device_decay = device_decay  # the decay is a CUDA tensor: each call passes its own
         self.grad = grad
+        self.offered = -1  # the compiled entry's generation it was last offered to (rtkernels.compiled_call)
 
 
 class GradCall:
@@ -50,6 +52,16 @@ class GradCall:
                  host_decay: Any, decay_kind: int):
         self.method, self.scale, self.bnhd, self.return_state = method, scale, bnhd, return_state
         self.fp32_precision, self.host_decay, self.decay_kind = fp32_precision, host_decay, decay_kind
+
+    def log_decay(self, decay: Any) -> LogDecay:
+        """The call's :class:`~rtkernels.decay.LogDecay`: the checked host one, or one around this
+        call's CUDA decay tensor ``decay`` (its source too where it requires grad)."""
+        if self.host_decay is not None:
+            return self.host_decay
+        log_decay = LogDecay(decay.device, raw=decay.detach(), kind=self.decay_kind)
+        if decay.requires_grad:
+            log_decay.source, log_decay.source_kind = decay, self.decay_kind
+        return log_decay
 
 
 def _decay_key(x: Any, grad: bool) -> Any:
@@ -111,12 +123,14 @@ def call_key(q: Any, k: Any, v: Any, decay: Any, decay_rate: Any, scale: Any, me
 
 
 def remember(key: tuple, launcher: Any, out: torch.Tensor, v: torch.Tensor, device_decay: bool,
-             grad: Optional[GradCall] = None) -> None:
-    """Cache ``launcher`` under ``key``; ``device_decay``: it was planned for a CUDA decay tensor;
-    ``grad``: the call runs through the autograd Function (what it needs besides the tensors)."""
+             grad: Optional[GradCall] = None) -> CachedCall:
+    """Cache ``launcher`` under ``key`` and return the entry; ``device_decay``: it was planned for
+    a CUDA decay tensor; ``grad``: the call runs through the autograd Function (what it needs
+    besides the tensors)."""
     if len(_calls) >= _MAX:
         _calls.clear()
-    _calls[key] = CachedCall(launcher, out, v.is_contiguous() and v.shape == out.shape, device_decay, grad)
+    hit = _calls[key] = CachedCall(launcher, out, v.is_contiguous() and v.shape == out.shape, device_decay, grad)
+    return hit
 
 
 def lookup(key: tuple) -> Optional[CachedCall]:
@@ -125,8 +139,16 @@ def lookup(key: tuple) -> Optional[CachedCall]:
 
 
 def clear() -> None:
-    """Forget every cached call."""
+    """Forget every cached call (and, through :func:`on_clear`'s hooks, what the compiled entry
+    keeps of them)."""
     _calls.clear()
+    for hook in _on_clear:
+        hook()
+
+
+def on_clear(hook: Callable[[], None]) -> None:
+    """Run ``hook`` on each :func:`clear` (:mod:`rtkernels.compiled_call` forgets its calls)."""
+    _on_clear.append(hook)
 
 
 def size() -> int:

@@ -46,7 +46,7 @@ from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 from . import api
 from .api import (FP32_PRECISIONS, METHOD_NAMES, _check_factor_or_rate, _check_inputs, _check_scale, _check_state,
                   _is_number)
-from .autograd import _Call, call_gradients
+from .autograd import Call, call_gradients
 from .decay import KIND_FACTOR, KIND_RATE, LogDecay
 from .jit.dtypes import compute_dtype
 
@@ -135,7 +135,7 @@ def backward_op(grad_out: Tensor, grad_state: Optional[Tensor], q: Tensor, k: Te
     bnhd = layout == "bnhd"
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v)) if bnhd else (q, k, v)
     precision = api._check_fp32_precision(fp32_precision)
-    call = _Call("chunk", _log_decay(decay, decay_kind, decay_value, qt.shape[1], q.device), scale, bnhd,
+    call = Call("chunk", _log_decay(decay, decay_kind, decay_value, qt.shape[1], q.device), scale, bnhd,
                  grad_state is not None, precision)
     meta = None if decay is None else (decay.device, decay.dtype)
     dq, dk, dv, d_decay, d_s0 = call_gradients(call, qt, kt, vt, initial_state, grad_out, grad_state,

@@ -29,6 +29,18 @@ def _gpu_ready() -> bool:
     return torch.cuda.is_available() and compiler_available()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _compiled_entry():
+    """On a GPU, cached calls run through the compiled entry (rtkernels.compiled_call), built up
+    front as a long-running process has it after its first half minute; RTKERNELS_COMPILED_CALL=0
+    runs the suite on Python's cached path instead."""
+    if _gpu_ready():
+        from rtkernels import compiled_call
+
+        compiled_call.build(wait=True)
+    yield
+
+
 def pytest_collection_modifyitems(config, items):
     if _gpu_ready():
         return

@@ -1,16 +1,17 @@
 """Scratch: the host time of one call (µs, hot loop at a tiny shape so the GPU never limits it):
-the cached call for each decay form, the full path (cache cleared each call), and the pieces of the
-cached call.
+the cached call for each decay form, in compiled code (rtkernels.compiled_call) and on Python's
+cached path, the full path (cache cleared each call), and the pieces of Python's cached call.
 
     python bench/profiling/profile_host.py
 """
+import contextlib
 import math
 import time
 
 import torch
 
 import rtkernels
-from rtkernels import call_cache
+from rtkernels import call_cache, compiled_call
 
 
 def tm(fn, n=3000):
@@ -25,12 +26,20 @@ def tm(fn, n=3000):
     return dt
 
 
+print(f"compiled entry: {compiled_call.build(wait=True) and compiled_call.status()}")
 g = 1 - torch.exp(torch.linspace(math.log(1 / 32), math.log(1 / 512), 32))
+gd = g.cuda()
 q, k, v = (torch.randn(1, 32, 64, 128, device="cuda").bfloat16() for _ in range(3))
 cla = rtkernels.causal_linear_attention
 print(f"cached call, decay CPU tensor   {tm(lambda: cla(q, k, v, g, method='chunk')):.1f}")
 print(f"cached call, decay float        {tm(lambda: cla(q, k, v, 0.99, method='chunk')):.1f}")
 print(f"cached call, method auto        {tm(lambda: cla(q, k, v, g)):.1f}")
+for name, ctx in (("compiled", contextlib.nullcontext), ("python", compiled_call.suspended)):
+    with ctx():
+        print(f"[{name}] cached call, decay CUDA tensor   {tm(lambda: cla(q, k, v, gd, method='chunk')):.1f}")
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        gp = torch.nn.Parameter(gd.clone())
+        print(f"[{name}] cached call with autograd, CUDA decay parameter {tm(lambda: cla(*xs, gp, method='chunk')):.1f}")
 for layout in ("bhnd", "bnhd"):  # autograd history: q, k, v and an nn.Parameter decay require grad
     xs = [(x.clone() if layout == "bhnd" else x.transpose(1, 2).contiguous()).requires_grad_() for x in (q, k, v)]
     gp = torch.nn.Parameter(g.cuda())

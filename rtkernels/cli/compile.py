@@ -56,4 +56,9 @@ def run(args: argparse.Namespace) -> int:
           f"of {len(todo)} instances for {arch} in {secs:.1f} s; cache: {kernel_cache_dir()[0]}")
     for name, err in done["failed"]:
         print(f"  failed: {name}: {err}", file=sys.stderr)
+    from .. import compiled_call
+
+    t0 = time.perf_counter()
+    compiled_call.build(wait=True)  # host code: the compiled entry of cached calls (optional)
+    print(f"compiled entry of cached calls: {compiled_call.status()} ({time.perf_counter() - t0:.1f} s)")
     return 1 if done["failed"] else 0

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 __all__ = ["CudaDriverError", "check", "module_load_data", "module_get_function", "func_set_attribute",
-           "func_get_attribute", "launch_kernel"]
+           "func_get_attribute", "launch_kernel", "launch_kernel_address"]
 
 #: CUfunction_attribute values used here.
 MAX_THREADS_PER_BLOCK, SHARED_SIZE_BYTES, LOCAL_SIZE_BYTES, NUM_REGS = 0, 1, 3, 4
@@ -127,6 +127,13 @@ def launch_kernel() -> Callable[..., Any]:
         return lib.cuLaunchKernel
     LaunchError = binding.CUDADriverError
     return binding.launchKernel
+
+
+def launch_kernel_address() -> Optional[int]:
+    """The address of ``cuLaunchKernel`` in the driver library torch loaded (for compiled callers,
+    :mod:`rtkernels.compiled_call`), or None where ``libcuda.so.1`` does not open."""
+    lib = _lib()
+    return None if lib is None else ctypes.cast(lib.cuLaunchKernel, ctypes.c_void_p).value
 
 
 #: What the launch function of :func:`launch_kernel` raises on failure (its ``status`` is the

@@ -320,6 +320,17 @@ class BoundLaunch:
         self._late = struct.Struct(f"<{late}q") if late else None
         self._late_at = 8 * (n_head + len(tail) - late)
 
+    def parameters(self) -> Optional[tuple[int, tuple, tuple, int, int, bytes, int]]:
+        """The launch as plain values for a compiled caller (:mod:`rtkernels.compiled_call`):
+        ``(CUfunction, grid, block, shared memory, n_head, parameter words, maps address or 0)``,
+        the words being the packed parameters (the caller writes the ``n_head`` pointer slots) and
+        the last the address of the tensor-map parameter (maps that follow no pointer); None for a
+        launch whose calls pass more than the pointers (maps that follow them, ``late`` fields)."""
+        if (self.maps is not None and self.maps.sources) or self._late is not None:
+            return None
+        return (self.kernel._ptr, tuple(self.grid), tuple(self.block), self.shared_mem, self.n_head,
+                bytes(self._buf[0].raw), 0 if self.maps is None else self.maps.address)
+
     def __call__(self, *head: int) -> None:
         if torch._C._cuda_getDevice() != self.dev:
             with torch.cuda.device(self.dev):  # the device's primary context current for the launch

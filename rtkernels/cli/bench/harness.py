@@ -358,8 +358,9 @@ def measure(impl: Any, case: Case, inp: dict[str, Any], ref: Reference, device: 
 
 def host_overheads(impls: list[Any], device: torch.device) -> dict[str, Any]:
     """µs per call of 200 back-to-back calls at a tiny shape (1, 1, 64, 64): rtkernels chunk and scan
-    (decay as a [H] CPU tensor and as a float, chunk also as a CUDA tensor; chunk's repeated calls
-    take the cached-call path) and fla, where loaded."""
+    (decay as a [H] CPU tensor and as a float, chunk also as a CUDA tensor and with autograd history;
+    chunk's repeated calls take the cached-call path, in compiled code where it is built, and on a
+    GPU also on Python's cached path) and fla, where loaded."""
     import torch
     from ... import causal_linear_attention as cla
 
@@ -371,9 +372,21 @@ def host_overheads(impls: list[Any], device: torch.device) -> dict[str, Any]:
     res: dict[str, Any] = {"shape": "1x1x64x64 " + str(dtype).replace("torch.", "")}
     res["rtkernels chunk, decay [H] CPU tensor"] = timing.host_overhead(lambda: cla(q, k, v, g, method="chunk"), device)
     if device.type == "cuda":
+        from ... import compiled_call
+
         gd = g.to(device)
         res["rtkernels chunk, decay [H] CUDA tensor"] = timing.host_overhead(lambda: cla(q, k, v, gd, method="chunk"),
                                                                             device)
+        xs = [x.clone().requires_grad_() for x in (q, k, v)]
+        gp = torch.nn.Parameter(gd.clone())
+        res["rtkernels chunk, with autograd history (q, k, v and a CUDA decay parameter)"] = timing.host_overhead(
+            lambda: cla(*xs, gp, method="chunk"), device)
+        if compiled_call.module is not None:
+            with compiled_call.suspended():
+                res["rtkernels chunk, decay [H] CUDA tensor, Python's cached path"] = timing.host_overhead(
+                    lambda: cla(q, k, v, gd, method="chunk"), device)
+                res["rtkernels chunk, with autograd history, Python's cached path"] = timing.host_overhead(
+                    lambda: cla(*xs, gp, method="chunk"), device)
     res["rtkernels chunk, decay float"] = timing.host_overhead(lambda: cla(q, k, v, 0.97, method="chunk"), device)
     res["rtkernels scan, decay [H] CPU tensor"] = timing.host_overhead(lambda: cla(q, k, v, g, method="scan"), device)
     res["rtkernels scan, decay float"] = timing.host_overhead(lambda: cla(q, k, v, 0.97, method="scan"), device)
@@ -501,6 +514,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     impls, env["peers"] = load_impls(args.impls, args.methods, device, args.decay if device.type == "cuda" else "cpu",
                                      args.fp32_precision)
     env["fp32_precision"] = args.fp32_precision or "torch setting: " + torch.get_float32_matmul_precision()
+    if device.type == "cuda":  # the steady state of a long-running process: cached calls in compiled code
+        from ... import compiled_call
+
+        compiled_call.build(wait=True)
+        env["compiled_call"] = compiled_call.status()
     try:
         env["host_overhead_us"] = host_overheads(impls, device)
     except Exception as exc:

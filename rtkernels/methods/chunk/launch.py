@@ -73,6 +73,11 @@ def call_pieces(dtype: torch.dtype, bh: int, n: int, dk: int, dv: int, dev: int
     return pieces, tuned if pieces is not None and split else None
 
 
+#: The sources of a pointer slot in :meth:`ChunkLaunch.program` (a temporary's is the last + its index);
+#: ``cuda_src/host/compiled_call.cpp`` numbers them alike.
+PROGRAM_SOURCES = ("q", "k", "v", "out", "decay", "initial_state", "final_state", "constant", "temporary")
+
+
 class ChunkLaunch:
     """A planned call of the chunk kernel: kernel, grid, shared memory and every argument but the
     data pointers, so that repeating the call with new tensors of the same shapes, strides and
@@ -191,6 +196,41 @@ class ChunkLaunch:
             self.scan = get_function(SEG_SCAN_SOURCE, "rtk_chunk_seg_scan", dev).bind(
                 (min(-(-total // 256), 4096), 1, 1), (256, 1, 1), 0, dev, 5,
                 (nseg, bh, h, dk * dv, seg_len, n - (nseg - 1) * seg_len, mode))
+
+    def program(self, device_decay: bool) -> Optional[tuple]:
+        """This call as a fixed program for the compiled entry (:mod:`rtkernels.compiled_call`):
+        ``(temps, launches, keep, state_shape)``, or None where a call needs Python (packed,
+        reversed, a launch with tensor maps). ``temps``: float32 element counts of the per-call
+        buffers; ``launches``: :meth:`BoundLaunch.parameters` plus, per pointer slot, (source,
+        byte offset) with sources q, k, v, out, decay, initial state, final state, constant,
+        temporaries (``PROGRAM_SOURCES``); ``keep``: the temporary a training forward keeps for the
+        backward (:attr:`fold`'s slots), or -1; ``state_shape``: the final state's, or None.
+        ``device_decay``: the call passes a CUDA decay tensor (else the planned decay's pointer is
+        a constant)."""
+        if self.packed is not None or self.offsets is not None:
+            return None
+        q, k, v, out, dp, s0, fin, const, t0 = range(len(PROGRAM_SOURCES))
+        decay = (dp, 0) if device_decay else (const, self.decay_ptr)
+        none = (const, 0)
+        fused_s0, fused_fin, temps, runs, keep = (s0, 0), (fin, 0), [], [], -1
+        slots = self.slots * int(torch.Size(self.state_shape).numel())
+        if self.states is not None and self.scan is None:  # the states pass, then the fused pass folds its slots
+            temps, keep = [slots], (0 if self.fold is not None else -1)
+            runs.append((self.states, ((q, 0), (k, 0), (v, 0), (out, 0), decay, (s0, 0), (t0, 0))))
+            fused_s0 = (t0, 0)
+        elif self.scan is not None:  # each segment's own state, the scan, the fused pass from the entering states
+            temps = [slots, slots]
+            runs.append((self.states, ((q, 0), (k, 0), (v, 0), (out, 0), decay, none, (t0, 0))))
+            runs.append((self.scan, ((t0, 0), (t0 + 1, 0), (s0, 0), (fin, 0), decay)))
+            fused_s0, fused_fin = (t0 + 1, 0), none
+        runs.append((self.fused, ((q, 0), (k, 0), (v, 0), (out, 0), decay, fused_s0, fused_fin)))
+        launches = []
+        for bound, head in runs:
+            params = bound.parameters()
+            if params is None or params[4] != len(head):
+                return None
+            launches.append((*params, head))
+        return temps, launches, keep, (self.state_shape if self.need_state else None)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  initial_state: Optional[torch.Tensor] = None, decay: Optional[torch.Tensor] = None,
