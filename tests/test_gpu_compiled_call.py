@@ -13,11 +13,11 @@ import torch
 
 import rtkernels
 from graphs import assert_replays_like_eager
-from inputs import make_qkv, make_state, no_host_sync
+from inputs import make_qkv, make_state, no_host_sync, to_bhnd
 from reference import reference
 from rtkernels import call_cache, compiled_call
 from rtkernels.methods.chunk import override
-from tolerances import assert_close
+from tolerances import assert_close, row_error, row_tolerance
 
 pytestmark = pytest.mark.gpu
 
@@ -92,10 +92,17 @@ def test_compiled_forward_equals_python_and_reference(entry, monkeypatch, case):
     got, want = (x if with_state else (x, None) for x in (got, want))
     assert torch.equal(got[0], want[0]) and got[0].dtype == dtype and got[0].is_contiguous()
     ref, ref_state = reference(q2, k2, v2, gamma.cuda(), layout=layout, initial_state=s0)
-    assert_close(got[0], ref, dtype, f"compiled {case}", n=n)
+    if prec == "tf32":  # 10-bit operands: tests/test_gpu_fp32.py's bounds (relative Frobenius, max / max |ref|)
+        for x, r in ((got[0], ref), (got[1], ref_state)) if with_state else ((got[0], ref),):
+            err = (x.double() - r).to(torch.float64)
+            assert float(err.norm() / r.norm()) <= 2e-3 and float(err.abs().max() / r.abs().max()) <= 1e-2, case
+    else:
+        assert row_error(to_bhnd(got[0], layout), to_bhnd(ref, layout)) <= row_tolerance(dtype, n), case
+        assert_close(got[0], ref, dtype, f"compiled {case}", n=n)
+        if with_state:
+            assert_close(got[1], ref_state, torch.float32 if dtype == torch.float32 else dtype, f"state {case}")
     if with_state:
         assert torch.equal(got[1], want[1])
-        assert_close(got[1], ref_state, torch.float32 if dtype == torch.float32 else dtype, f"state {case}")
     del first
 
 

@@ -260,19 +260,33 @@ PyObject* wrap(const at::Tensor& t) {
   return THPVariable_Wrap(t);
 }
 
+// What a node keeps besides the saved q, k, v and s0 (one capsule: one map insertion a call).
+struct NodeData : torch::CustomClassHolder {
+  c10::intrusive_ptr<Entry> entry;
+  bool has_source = false, has_s0 = false;
+  at::Tensor decay, kept;  // the CUDA decay tensor read (or undefined); the forward's states kept (or undefined)
+};
+
 struct CachedAttention : torch::autograd::Function<CachedAttention> {
-  // source: the decay tensor when it requires grad (an input of the node), else undefined;
-  // decay: the CUDA decay tensor the kernels read, or undefined (a host decay)
+  // Inputs with edges: q, k, v, then source (the decay tensor where it requires grad) and s0 where
+  // given. decay: the CUDA decay tensor the kernels read (undefined for a host decay), saved, not
+  // an input: its gradient is the source's.
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
-                                                const at::Tensor& k, const at::Tensor& v, const at::Tensor& source,
-                                                const at::Tensor& s0, const at::Tensor& decay, Entry* e, bool* ok) {
+                                                const at::Tensor& k, const at::Tensor& v,
+                                                const std::optional<at::Tensor>& source,
+                                                const std::optional<at::Tensor>& s0, const at::Tensor* decay,
+                                                Entry* e, bool* ok) {
     ctx->set_materialize_grads(false);
-    Operands x{&q, &k, &v, &decay, &s0, {}, {}, {}};
+    const at::Tensor s0t = s0.has_value() ? *s0 : at::Tensor();
+    Operands x{&q, &k, &v, decay, &s0t, {}, {}, {}};
     *ok = run(*e, x);
-    ctx->save_for_backward({q, k, v, s0});
-    ctx->saved_data["e"] = c10::IValue::make_capsule(c10::intrusive_ptr<Entry>::reclaim_copy(e));
-    if (decay.defined()) ctx->saved_data["d"] = decay;
-    if (e->keep_temp >= 0 && *ok) ctx->saved_data["f"] = x.temps[(size_t)e->keep_temp];
+    ctx->save_for_backward({q, k, v, s0t});
+    auto data = c10::make_intrusive<NodeData>();
+    data->entry = c10::intrusive_ptr<Entry>::reclaim_copy(e);
+    data->has_source = source.has_value(), data->has_s0 = s0.has_value();
+    data->decay = *decay;
+    if (e->keep_temp >= 0 && *ok) data->kept = x.temps[(size_t)e->keep_temp];
+    ctx->saved_data["n"] = c10::IValue::make_capsule(std::move(data));
     if (e->need_state) return {x.out, x.final};
     return {x.out};
   }
@@ -280,19 +294,23 @@ struct CachedAttention : torch::autograd::Function<CachedAttention> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    auto holder = ctx->saved_data["e"].toCapsule();
-    const Entry* e = static_cast<const Entry*>(holder.get());
-    at::Tensor decay = ctx->saved_data.count("d") ? ctx->saved_data["d"].toTensor() : at::Tensor();
-    at::Tensor kept = ctx->saved_data.count("f") ? ctx->saved_data["f"].toTensor() : at::Tensor();
+    auto holder = ctx->saved_data["n"].toCapsule();
+    const NodeData& data = *static_cast<const NodeData*>(holder.get());
+    const Entry* e = data.entry.get();
+    const bool has_source = data.has_source, has_s0 = data.has_s0;
+    const at::Tensor &decay = data.decay, &kept = data.kept;
     at::Tensor g_out = grads.size() > 0 ? grads[0] : at::Tensor();
     at::Tensor g_state = grads.size() > 1 ? grads[1] : at::Tensor();
+    // needs_input_grad counts the inputs with edges: q, k, v, then the source and s0 where given
+    const bool needs[5] = {ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2),
+                           has_source && ctx->needs_input_grad(3), has_s0 && ctx->needs_input_grad(3 + has_source)};
     std::array<at::Tensor, 5> out;
     {
       pybind11::gil_scoped_acquire gil;
-      PyObject* needs = PyTuple_New(5);
-      for (int i = 0; i < 5; ++i) PyTuple_SET_ITEM(needs, i, PyBool_FromLong(ctx->needs_input_grad(i)));
+      PyObject* flags = PyTuple_New(5);
+      for (int i = 0; i < 5; ++i) PyTuple_SET_ITEM(flags, i, PyBool_FromLong(needs[i]));
       PyObject* args[] = {e->info, wrap(saved[0]), wrap(saved[1]), wrap(saved[2]), wrap(decay), wrap(saved[3]),
-                          wrap(kept), needs, wrap(g_out), wrap(g_state)};
+                          wrap(kept), flags, wrap(g_out), wrap(g_state)};
       constexpr size_t nargs = sizeof args / sizeof args[0];
       PyObject* res = PyObject_Vectorcall(g_backward, args, nargs, nullptr);
       for (size_t i = 1; i < nargs; ++i) Py_DECREF(args[i]);
@@ -302,8 +320,7 @@ struct CachedAttention : torch::autograd::Function<CachedAttention> {
       Py_DECREF(res);
       TORCH_CHECK(shaped, "rtkernels: the compiled entry's backward expected 5 gradients");
     }
-    // q, k, v, the decay source, the initial state; none for decay (saved, not an input to
-    // differentiate), the entry and the flag
+    // one per forward argument: q, k, v, the source, s0, then none for decay, the entry and the flag
     return {out[0], out[1], out[2], out[3], out[4], at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -326,9 +343,11 @@ PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   const at::Tensor s0 = a[8] == Py_None ? at::Tensor() : THPVariable_Unpack(a[8]);
   at::Tensor out, final;
   if (e->grad) {
-    const at::Tensor source = decay.defined() && decay.requires_grad() ? decay : at::Tensor();
+    std::optional<at::Tensor> source, s0o;
+    if (decay.defined() && decay.requires_grad()) source = decay;
+    if (s0.defined()) s0o = s0;
     bool ok = false;
-    auto res = CachedAttention::apply(q, k, v, source, s0, decay, e.get(), &ok);
+    auto res = CachedAttention::apply(q, k, v, source, s0o, &decay, e.get(), &ok);
     if (!ok) return Py_NewRef(g_miss);  // nothing launched; the node is dropped with res
     out = res[0];
     if (e->need_state) final = res[1];
