@@ -177,6 +177,16 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
       for (int nt = 0; nt < NT; ++nt) sum = fmaf(ro[4 * nt + e], at(L::DT, stage, o + 1024 * nt), sum);
     }
   };
+  // P = q k^T over all KMAX key columns of a stage, issued (the caller waits for it)
+  auto scores = [&](float (&pa)[32], int stage) {
+    const unsigned long long dq = rtk_wg_desc(tile(stage, L::Q), 16, 1024);
+    const unsigned long long dk = rtk_wg_desc(tile(stage, L::K), 16, 1024);
+    rtk_wg_fence();
+    #pragma unroll
+    for (int ks = 0; ks < KMAX / 8; ++ks)
+      rtk_wgmma_tf32_ss(pa, rtk_desc_at(dq, rtk_kmajor_step(C, ks)), rtk_desc_at(dk, rtk_kmajor_step(C, ks)), ks);
+    rtk_wg_commit();
+  };
   if (causal) {
     // ---- the causal warpgroup: P = q k^T over all of Dk, then the intra part, chunk by chunk; the
     // state warps' barrier a chunk says when a stage has landed (rounded) and when it may be refilled
@@ -187,13 +197,7 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
       __syncthreads();
       float pr[NT][4];
       float (&pa)[32] = reinterpret_cast<float (&)[32]>(pr);
-      const unsigned long long dq = rtk_wg_desc(tile(stage, L::Q), 16, 1024);
-      const unsigned long long dk = rtk_wg_desc(tile(stage, L::K), 16, 1024);
-      rtk_wg_fence();
-      #pragma unroll
-      for (int ks = 0; ks < KMAX / 8; ++ks)
-        rtk_wgmma_tf32_ss(pa, rtk_desc_at(dq, rtk_kmajor_step(C, ks)), rtk_desc_at(dk, rtk_kmajor_step(C, ks)), ks);
-      rtk_wg_commit();
+      scores(pa, stage);
       rtk_wg_wait<0>();
       rtk_wg_pin(pa);
       intra(pr, rtk_wg_desc(tile(stage, L::VT), 16, 1024), stage, 0, acci);
@@ -279,15 +283,7 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
     // KMAX 64: P = q k^T over all 64 key columns, on the tensor cores while the state part runs
     float pr[NT][4];
     float (&pa)[32] = reinterpret_cast<float (&)[32]>(pr);
-    if (!STATES && !CWG) {
-      const unsigned long long dq = rtk_wg_desc(tile(stage, L::Q), 16, 1024);
-      const unsigned long long dk = rtk_wg_desc(tile(stage, L::K), 16, 1024);
-      rtk_wg_fence();
-      #pragma unroll
-      for (int ks = 0; ks < KMAX / 8; ++ks)
-        rtk_wgmma_tf32_ss(pa, rtk_desc_at(dq, rtk_kmajor_step(C, ks)), rtk_desc_at(dk, rtk_kmajor_step(C, ks)), ks);
-      rtk_wg_commit();
-    }
+    if (!STATES && !CWG) scores(pa, stage);
     // ---- state part: acc1 += <S, A1'>, acc2 += <W, A2'> (the S and W entering the chunk) ----------
     {
       float t1[32], t2[32];
