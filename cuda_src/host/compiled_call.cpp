@@ -10,8 +10,8 @@
 // pointer parameters name a source (q, k, v, the output, the decay tensor, the states, a temporary)
 // plus a byte offset. call() computes the signature, finds the program, allocates, launches on
 // torch's current stream and returns the output, or None for anything it does not know (Python
-// then runs its own path). A call with autograd history gets a node of this file's
-// torch::autograd::Function whose backward calls Python's (the same body as the Python Function).
+// then runs its own path). A call with autograd history gets this file's autograd node, whose
+// backward calls Python's (the same body as the Python Function).
 
 #include <Python.h>
 
@@ -20,8 +20,10 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
 
 #include <array>
 #include <cstring>
@@ -49,7 +51,7 @@ struct Launch {
   void* extra = nullptr;                           // one more parameter's address (static tensor maps), or null
 };
 
-struct Entry : torch::CustomClassHolder {
+struct Entry : c10::intrusive_ptr_target {
   std::vector<Launch> launches;
   std::vector<int64_t> temps;        // float32 elements of each temporary
   std::vector<int64_t> out_shape, state_shape;
@@ -260,70 +262,71 @@ PyObject* wrap(const at::Tensor& t) {
   return THPVariable_Wrap(t);
 }
 
-// What a node keeps besides the saved q, k, v and s0 (one capsule: one map insertion a call).
-struct NodeData : torch::CustomClassHolder {
-  c10::intrusive_ptr<Entry> entry;
-  bool has_source = false, has_s0 = false;
-  at::Tensor decay, kept;  // the CUDA decay tensor read (or undefined); the forward's states kept (or undefined)
-};
+// The autograd node of a call with history, a plain Node rather than a torch::autograd::Function
+// (that one wraps inputs and outputs in bookkeeping this call does not need: about a third of
+// its host cost). Edges: q, k, v, the decay source, s0 (an absent one is an empty edge).
+using NodePtr = decltype(torch::autograd::Edge::function);  // shared_ptr or (newer torch) intrusive_ptr
 
-struct CachedAttention : torch::autograd::Function<CachedAttention> {
-  // Inputs with edges: q, k, v, then source (the decay tensor where it requires grad) and s0 where
-  // given. decay: the CUDA decay tensor the kernels read (undefined for a host decay), saved, not
-  // an input: its gradient is the source's.
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
-                                                const at::Tensor& k, const at::Tensor& v,
-                                                const std::optional<at::Tensor>& source,
-                                                const std::optional<at::Tensor>& s0, const at::Tensor* decay,
-                                                Entry* e, bool* ok) {
-    ctx->set_materialize_grads(false);
-    const at::Tensor s0t = s0.has_value() ? *s0 : at::Tensor();
-    Operands x{&q, &k, &v, decay, &s0t, {}, {}, {}};
-    *ok = run(*e, x);
-    ctx->save_for_backward({q, k, v, s0t});
-    auto data = c10::make_intrusive<NodeData>();
-    data->entry = c10::intrusive_ptr<Entry>::reclaim_copy(e);
-    data->has_source = source.has_value(), data->has_s0 = s0.has_value();
-    data->decay = *decay;
-    if (e->keep_temp >= 0 && *ok) data->kept = x.temps[(size_t)e->keep_temp];
-    ctx->saved_data["n"] = c10::IValue::make_capsule(std::move(data));
-    if (e->need_state) return {x.out, x.final};
-    return {x.out};
+template <class N, class P = NodePtr>
+auto new_node() {
+  if constexpr (std::is_same_v<P, std::shared_ptr<torch::autograd::Node>>) {
+    return std::shared_ptr<N>(new N());
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
+
+struct CachedAttentionBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable q, k, v, s0;
+  c10::intrusive_ptr<Entry> entry;
+  at::Tensor decay, kept;  // the CUDA decay tensor read (or undefined); the forward's states kept (or undefined)
+
+  std::string name() const override { return "RtkernelsCachedCallBackward"; }
+
+  void release_variables() override {
+    q.reset_data(), k.reset_data(), v.reset_data(), s0.reset_data();
+    kept = at::Tensor();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    auto holder = ctx->saved_data["n"].toCapsule();
-    const NodeData& data = *static_cast<const NodeData*>(holder.get());
-    const Entry* e = data.entry.get();
-    const bool has_source = data.has_source, has_s0 = data.has_s0;
-    const at::Tensor &decay = data.decay, &kept = data.kept;
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const at::Tensor tq = q.unpack(), tk = k.unpack(), tv = v.unpack(), ts0 = s0.unpack();
     at::Tensor g_out = grads.size() > 0 ? grads[0] : at::Tensor();
     at::Tensor g_state = grads.size() > 1 ? grads[1] : at::Tensor();
-    // needs_input_grad counts the inputs with edges: q, k, v, then the source and s0 where given
-    const bool needs[5] = {ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2),
-                           has_source && ctx->needs_input_grad(3), has_s0 && ctx->needs_input_grad(3 + has_source)};
-    std::array<at::Tensor, 5> out;
-    {
-      pybind11::gil_scoped_acquire gil;
-      PyObject* flags = PyTuple_New(5);
-      for (int i = 0; i < 5; ++i) PyTuple_SET_ITEM(flags, i, PyBool_FromLong(needs[i]));
-      PyObject* args[] = {e->info, wrap(saved[0]), wrap(saved[1]), wrap(saved[2]), wrap(decay), wrap(saved[3]),
-                          wrap(kept), flags, wrap(g_out), wrap(g_state)};
-      constexpr size_t nargs = sizeof args / sizeof args[0];
-      PyObject* res = PyObject_Vectorcall(g_backward, args, nargs, nullptr);
-      for (size_t i = 1; i < nargs; ++i) Py_DECREF(args[i]);
-      if (!res) throw python_error();
-      const bool shaped = PyTuple_Check(res) && PyTuple_GET_SIZE(res) == 5;
-      for (int i = 0; shaped && i < 5; ++i) out[(size_t)i] = unpack_or_none(PyTuple_GET_ITEM(res, i));
-      Py_DECREF(res);
-      TORCH_CHECK(shaped, "rtkernels: the compiled entry's backward expected 5 gradients");
-    }
-    // one per forward argument: q, k, v, the source, s0, then none for decay, the entry and the flag
-    return {out[0], out[1], out[2], out[3], out[4], at::Tensor(), at::Tensor(), at::Tensor()};
+    torch::autograd::variable_list out(5);
+    pybind11::gil_scoped_acquire gil;
+    PyObject* flags = PyTuple_New(5);
+    for (int i = 0; i < 5; ++i) PyTuple_SET_ITEM(flags, i, PyBool_FromLong(task_should_compute_output((size_t)i)));
+    PyObject* args[] = {entry->info, wrap(tq), wrap(tk), wrap(tv), wrap(decay), wrap(ts0), wrap(kept), flags,
+                        wrap(g_out), wrap(g_state)};
+    constexpr size_t nargs = sizeof args / sizeof args[0];
+    PyObject* res = PyObject_Vectorcall(g_backward, args, nargs, nullptr);
+    for (size_t i = 1; i < nargs; ++i) Py_DECREF(args[i]);
+    if (!res) throw python_error();
+    const bool shaped = PyTuple_Check(res) && PyTuple_GET_SIZE(res) == 5;
+    for (int i = 0; shaped && i < 5; ++i) out[(size_t)i] = unpack_or_none(PyTuple_GET_ITEM(res, i));
+    Py_DECREF(res);
+    TORCH_CHECK(shaped, "rtkernels: the compiled entry's backward expected 5 gradients");
+    return out;
   }
 };
+
+// Runs a call with autograd history: the program, then the node as the outputs' grad_fn. False
+// (nothing launched, no node) where run() is.
+bool run_with_history(const c10::intrusive_ptr<Entry>& e, Operands& x, const at::Tensor& source) {
+  if (!run(*e, x)) return false;
+  auto node = new_node<CachedAttentionBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(*x.q, *x.k, *x.v, source, *x.s0));
+  node->q = torch::autograd::SavedVariable(*x.q, false);
+  node->k = torch::autograd::SavedVariable(*x.k, false);
+  node->v = torch::autograd::SavedVariable(*x.v, false);
+  node->s0 = torch::autograd::SavedVariable(*x.s0, false);
+  node->entry = e;
+  node->decay = *x.decay;
+  if (e->keep_temp >= 0) node->kept = x.temps[(size_t)e->keep_temp];
+  torch::autograd::set_history(x.out, node);
+  if (e->need_state) torch::autograd::set_history(x.final, node);
+  return true;
+}
 
 // ---- the Python functions ---------------------------------------------------------------------
 // call(q, k, v, decay, decay_rate, scale, method, layout, initial_state, return_state,
@@ -341,21 +344,10 @@ PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   PyObject* decay_obj = a[4] == Py_None ? a[3] : a[4];
   const at::Tensor decay = e->device_decay ? THPVariable_Unpack(decay_obj) : at::Tensor();
   const at::Tensor s0 = a[8] == Py_None ? at::Tensor() : THPVariable_Unpack(a[8]);
-  at::Tensor out, final;
-  if (e->grad) {
-    std::optional<at::Tensor> source, s0o;
-    if (decay.defined() && decay.requires_grad()) source = decay;
-    if (s0.defined()) s0o = s0;
-    bool ok = false;
-    auto res = CachedAttention::apply(q, k, v, source, s0o, &decay, e.get(), &ok);
-    if (!ok) return Py_NewRef(g_miss);  // nothing launched; the node is dropped with res
-    out = res[0];
-    if (e->need_state) final = res[1];
-  } else {
-    Operands x{&q, &k, &v, &decay, &s0, {}, {}, {}};
-    if (!run(*e, x)) return Py_NewRef(g_miss);
-    out = std::move(x.out), final = std::move(x.final);
-  }
+  Operands x{&q, &k, &v, &decay, &s0, {}, {}, {}};
+  const at::Tensor source = decay.defined() && decay.requires_grad() ? decay : at::Tensor();
+  if (!(e->grad ? run_with_history(e, x, source) : run(*e, x))) return Py_NewRef(g_miss);
+  at::Tensor out = std::move(x.out), final = std::move(x.final);
   if (a[9] != Py_True) return THPVariable_Wrap(out);
   PyObject* pair = PyTuple_New(2);
   PyTuple_SET_ITEM(pair, 0, THPVariable_Wrap(out));
