@@ -35,11 +35,13 @@ namespace {
 
 using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
                          void**);
+using ReplaceFn = int (*)(void*, void*);  // cuTensorMapReplaceAddress
 
 // Where a pointer parameter's value comes from (plus the slot's byte offset).
 enum Source : int { SRC_Q, SRC_K, SRC_V, SRC_OUT, SRC_DECAY, SRC_S0, SRC_FINAL, SRC_CONST, SRC_TEMP0 };
 constexpr int MAX_WORDS = 96;        // 8-byte kernel parameter words of one launch
 constexpr int INVALID_CONTEXT = 201;  // CUDA_ERROR_INVALID_CONTEXT: a thread with no current context
+constexpr int MAP_BYTES = 128, MAX_MAPS = 4;  // a CUtensorMap (64-byte aligned)
 
 struct Launch {
   void* fn = nullptr;
@@ -48,7 +50,8 @@ struct Launch {
   int n_head = 0;                                  // pointer parameters, then one struct parameter
   std::vector<uint64_t> words;                     // the parameters as planned (pointer slots 0)
   std::vector<std::pair<int, int64_t>> head;       // per pointer slot: (source, byte offset)
-  void* extra = nullptr;                           // one more parameter's address (static tensor maps), or null
+  std::vector<unsigned char> maps;                 // the tensor-map parameter as encoded (empty: none)
+  std::vector<std::pair<int, int64_t>> map_sources;  // map i follows pointer slot .first less .second bytes
 };
 
 struct Entry : c10::intrusive_ptr_target {
@@ -75,6 +78,7 @@ struct Entry : c10::intrusive_ptr_target {
 // clears the map at exit instead, rtkernels/compiled_call.py).
 auto& g_entries = *new std::unordered_map<std::string, c10::intrusive_ptr<Entry>>();
 LaunchFn g_launch = nullptr;
+ReplaceFn g_replace = nullptr;
 PyObject* g_backward = nullptr;      // rtkernels.autograd.compiled_node_backward
 PyObject* g_answers = nullptr;       // rtkernels.autotune.answers (its _generation, _forced)
 PyObject* g_plan = nullptr;          // rtkernels.methods.chunk.plan (its overrides)
@@ -246,7 +250,16 @@ bool run(const Entry& e, Operands& x) {
     for (int i = 0; i < L.n_head; ++i) words[i] = base[L.head[i].first] + (uint64_t)L.head[i].second;
     const int slots = std::min<int>((int)L.words.size(), L.n_head + 1);
     for (int i = 0; i < slots; ++i) params[i] = &words[i];
-    params[slots] = L.extra;  // read only where the kernel has that parameter
+    alignas(64) unsigned char maps[MAX_MAPS * MAP_BYTES];
+    params[slots] = maps;  // read only where the kernel has that parameter
+    if (!L.maps.empty()) {  // this call's copy of the maps, each pointed at its tensor
+      std::memcpy(maps, L.maps.data(), L.maps.size());
+      for (size_t m = 0; m < L.map_sources.size(); ++m) {
+        void* at = (void*)(uintptr_t)(words[L.map_sources[m].first] - (uint64_t)L.map_sources[m].second);
+        const int st = g_replace(maps + MAP_BYTES * m, at);
+        TORCH_CHECK(st == 0, "rtkernels: cuTensorMapReplaceAddress failed with CUDA driver status ", st);
+      }
+    }
     const int status = g_launch(L.fn, L.grid[0], L.grid[1], L.grid[2], L.block[0], L.block[1], L.block[2], L.smem,
                                 stream, params, nullptr);
     if (status == INVALID_CONTEXT && l == 0) return false;
@@ -369,8 +382,9 @@ std::vector<int64_t> int_list(PyObject* seq) {
 
 // register(args, spec) with args the call's 11 arguments (a tuple) and spec = (device, out_shape,
 // out_dtype_example, need_state, state_shape, device_decay, temps, launches, keep_temp, owner,
-// info): True if kept. launches: (function, grid, block, smem, n_head, words bytes, extra address,
-// head) with head a sequence of (source, offset). info None: a call without autograd history.
+// info): True if kept. launches: (function, grid, block, smem, n_head, words bytes, maps bytes,
+// map sources, head) with head a sequence of (source, offset). info None: a call without
+// autograd history.
 PyObject* register_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
   TORCH_CHECK(n == 2 && PyTuple_Check(a[0]) && PyTuple_GET_SIZE(a[0]) == 11 && PyTuple_Check(a[1]) &&
@@ -391,7 +405,7 @@ PyObject* register_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (!launches) throw python_error();
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(launches); ++i) {
     PyObject* l = PySequence_Fast_GET_ITEM(launches, i);
-    TORCH_CHECK(PyTuple_Check(l) && PyTuple_GET_SIZE(l) == 8, "register: a launch is an 8-tuple");
+    TORCH_CHECK(PyTuple_Check(l) && PyTuple_GET_SIZE(l) == 9, "register: a launch is a 9-tuple");
     Launch L;
     L.fn = PyLong_AsVoidPtr(PyTuple_GET_ITEM(l, 0));
     auto g = int_list(PyTuple_GET_ITEM(l, 1)), b = int_list(PyTuple_GET_ITEM(l, 2));
@@ -404,8 +418,20 @@ PyObject* register_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
                 "register: words are bytes, 8 a parameter, at most ", MAX_WORDS);
     L.words.resize((size_t)PyBytes_GET_SIZE(raw) / 8);
     std::memcpy(L.words.data(), PyBytes_AS_STRING(raw), (size_t)PyBytes_GET_SIZE(raw));
-    L.extra = PyLong_AsVoidPtr(PyTuple_GET_ITEM(l, 6));
-    PyObject* head = PySequence_Fast(PyTuple_GET_ITEM(l, 7), "head: a sequence");
+    PyObject* maps = PyTuple_GET_ITEM(l, 6);
+    TORCH_CHECK(PyBytes_Check(maps) && PyBytes_GET_SIZE(maps) <= MAX_MAPS * MAP_BYTES, "register: maps are bytes");
+    L.maps.assign(PyBytes_AS_STRING(maps), PyBytes_AS_STRING(maps) + PyBytes_GET_SIZE(maps));
+    PyObject* msrc = PySequence_Fast(PyTuple_GET_ITEM(l, 7), "map sources: a sequence");
+    if (!msrc) throw python_error();
+    for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(msrc); ++j) {
+      auto src = int_list(PySequence_Fast_GET_ITEM(msrc, j));
+      TORCH_CHECK(src.size() == 2, "register: a map source is (pointer slot, delta)");
+      L.map_sources.emplace_back((int)src[0], src[1]);
+    }
+    Py_DECREF(msrc);
+    TORCH_CHECK(L.map_sources.empty() || g_replace != nullptr, "register: maps to move but no cuTensorMapReplaceAddress");
+    TORCH_CHECK(L.map_sources.size() * MAP_BYTES <= L.maps.size(), "register: more map sources than maps");
+    PyObject* head = PySequence_Fast(PyTuple_GET_ITEM(l, 8), "head: a sequence");
     if (!head) throw python_error();
     for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(head); ++j) {
       auto slot = int_list(PySequence_Fast_GET_ITEM(head, j));
@@ -415,6 +441,7 @@ PyObject* register_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
     }
     Py_DECREF(head);
     TORCH_CHECK((int)L.head.size() == L.n_head && L.n_head <= (int)L.words.size(), "register: head size");
+    for (const auto& src : L.map_sources) TORCH_CHECK(src.first >= 0 && src.first < L.n_head, "register: map source");
     e->launches.push_back(std::move(L));
   }
   Py_DECREF(launches);
@@ -429,15 +456,17 @@ PyObject* register_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   END_HANDLE_TH_ERRORS
 }
 
-// init(launch_address, backward, answers, plan, decay, miss): the cuLaunchKernel address, the
-// Python backward of a node, the modules whose state a plan depends on, the miss sentinel.
+// init(launch_address, replace_address, backward, answers, plan, decay, miss): the addresses of
+// cuLaunchKernel and cuTensorMapReplaceAddress (0: none), the Python backward of a node, the
+// modules whose state a plan depends on, the miss sentinel.
 PyObject* init(PyObject*, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK(n == 6, "init: six arguments");
+  TORCH_CHECK(n == 7, "init: seven arguments");
   g_entries.clear();
   g_launch = reinterpret_cast<LaunchFn>(PyLong_AsVoidPtr(a[0]));
+  g_replace = reinterpret_cast<ReplaceFn>(PyLong_AsVoidPtr(a[1]));
   PyObject** slots[] = {&g_backward, &g_answers, &g_plan, &g_decay, &g_miss};
-  for (int i = 0; i < 5; ++i) Py_XSETREF(*slots[i], Py_NewRef(a[i + 1]));
+  for (int i = 0; i < 5; ++i) Py_XSETREF(*slots[i], Py_NewRef(a[i + 2]));
   Py_XSETREF(g_overrides, PyObject_GetAttr(g_plan, s_overrides));
   if (!g_overrides) throw python_error();
   Py_RETURN_NONE;
