@@ -128,7 +128,7 @@ def remember(key: tuple, launcher: Any, out: torch.Tensor, v: torch.Tensor, devi
     a CUDA decay tensor; ``grad``: the call runs through the autograd Function (what it needs
     besides the tensors)."""
     if len(_calls) >= _MAX:
-        _calls.clear()
+        clear()  # (the compiled entry with it: it holds no call that is not cached here)
     hit = _calls[key] = CachedCall(launcher, out, v.is_contiguous() and v.shape == out.shape, device_decay, grad)
     return hit
 

@@ -59,3 +59,18 @@ def test_program_sources_match_the_cpp_enum():
     assert [n.removeprefix("SRC_") for n in names] == [
         {"q": "Q", "k": "K", "v": "V", "out": "OUT", "decay": "DECAY", "initial_state": "S0",
          "final_state": "FINAL", "constant": "CONST", "temporary": "TEMP0"}[s] for s in launch.PROGRAM_SOURCES]
+
+
+def test_the_call_cache_cap_clears_the_compiled_entry_too(monkeypatch):
+    """Python's call cache starts over at its cap, and the compiled entry with it: the C++ side
+    never holds a call that Python no longer caches (its own cap is only a backstop)."""
+    hooks = []
+    monkeypatch.setattr(call_cache, "_on_clear", [lambda: hooks.append(1)])
+    monkeypatch.setattr(call_cache, "_MAX", 2)
+    call_cache.clear()
+    hooks.clear()
+    v = torch.zeros(1, 1, 2, 2)
+    for i in range(3):
+        call_cache.remember(("key", i), None, v, v, False)
+    assert hooks == [1] and call_cache.size() == 1
+    call_cache.clear()

@@ -40,6 +40,7 @@ using ReplaceFn = int (*)(void*, void*);  // cuTensorMapReplaceAddress
 // Where a pointer parameter's value comes from (plus the slot's byte offset).
 enum Source : int { SRC_Q, SRC_K, SRC_V, SRC_OUT, SRC_DECAY, SRC_S0, SRC_FINAL, SRC_CONST, SRC_TEMP0 };
 constexpr int MAX_WORDS = 96;        // 8-byte kernel parameter words of one launch
+constexpr size_t MAX_ENTRIES = 512;  // a backstop: Python's call cache, as large, clears this one with itself
 constexpr int INVALID_CONTEXT = 201;  // CUDA_ERROR_INVALID_CONTEXT: a thread with no current context
 constexpr int MAP_BYTES = 128, MAX_MAPS = 4;  // a CUtensorMap (64-byte aligned)
 
@@ -451,6 +452,7 @@ PyObject* register_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   e->info = s[10] == Py_None ? nullptr : Py_NewRef(s[10]);
   e->grad = e->info != nullptr;
   if (PyErr_Occurred()) throw python_error();
+  if (g_entries.size() >= MAX_ENTRIES) g_entries.clear();
   g_entries[key.bytes] = e;
   Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS
