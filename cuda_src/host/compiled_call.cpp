@@ -9,9 +9,9 @@
 // so the two cannot disagree) and keeps its program: temporaries to allocate and launches whose
 // pointer parameters name a source (q, k, v, the output, the decay tensor, the states, a temporary)
 // plus a byte offset. call() computes the signature, finds the program, allocates, launches on
-// torch's current stream and returns the output, or None for anything it does not know (Python
-// then runs its own path). A call with autograd history gets this file's autograd node, whose
-// backward calls Python's (the same body as the Python Function).
+// torch's current stream and returns the output, or the miss sentinel for anything it does not
+// know (Python then runs its own path). A call with autograd history gets this file's autograd
+// node, whose backward calls Python's (the same body as the Python Function).
 
 #include <Python.h>
 
@@ -49,7 +49,7 @@ struct Launch {
   std::array<unsigned, 3> grid{}, block{};
   unsigned smem = 0;
   int n_head = 0;                                  // pointer parameters, then one struct parameter
-  std::vector<uint64_t> words;                     // the parameters as planned (pointer slots 0)
+  std::vector<uint64_t> words;                     // the parameters as planned (pointer slots: written per call)
   std::vector<std::pair<int, int64_t>> head;       // per pointer slot: (source, byte offset)
   std::vector<unsigned char> maps;                 // the tensor-map parameter as encoded (empty: none)
   std::vector<std::pair<int, int64_t>> map_sources;  // map i follows pointer slot .first less .second bytes
@@ -80,7 +80,7 @@ struct Entry : c10::intrusive_ptr_target {
 auto& g_entries = *new std::unordered_map<std::string, c10::intrusive_ptr<Entry>>();
 LaunchFn g_launch = nullptr;
 ReplaceFn g_replace = nullptr;
-PyObject* g_backward = nullptr;      // rtkernels.autograd.compiled_node_backward
+PyObject* g_backward = nullptr;      // rtkernels.compiled_call._node_backward
 PyObject* g_answers = nullptr;       // rtkernels.autotune.answers (its _generation, _forced)
 PyObject* g_plan = nullptr;          // rtkernels.methods.chunk.plan (its overrides)
 PyObject* g_decay = nullptr;         // rtkernels.decay (its _strict)
@@ -92,11 +92,16 @@ PyObject* s_generation = nullptr, * s_forced = nullptr, * s_overrides = nullptr,
 struct Key {
   std::string bytes;
   void word(int64_t x) { bytes.append(reinterpret_cast<const char*>(&x), sizeof x); }
-  void text(PyObject* s) {
+  bool text(PyObject* s) {  // false for a string with no UTF-8 form (lone surrogates)
     Py_ssize_t n = 0;
     const char* p = PyUnicode_AsUTF8AndSize(s, &n);
+    if (p == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
     word(n);
     bytes.append(p, (size_t)n);
+    return true;
   }
   void tensor(const at::Tensor& t, bool grad) {
     word((int64_t)t.scalar_type());
@@ -113,17 +118,12 @@ bool is_tensor(PyObject* o) { return Py_TYPE(o) == (PyTypeObject*)THPVariableCla
 // A CUDA tensor with storage, or false.
 bool cuda_tensor(const at::Tensor& t) { return t.defined() && t.is_cuda() && t.has_storage(); }
 
-bool double_bits(PyObject* o, int64_t& out) {
-  double d = PyFloat_AS_DOUBLE(o);
-  std::memcpy(&out, &d, sizeof d);
-  return true;
-}
-
 // A number (float or int, exact types) as a tag and its value; false for anything else.
 bool number(Key& key, PyObject* o) {
   int64_t v = 0;
   if (PyFloat_CheckExact(o)) {
-    double_bits(o, v);
+    const double d = PyFloat_AS_DOUBLE(o);
+    std::memcpy(&v, &d, sizeof d);  // by its bits
     key.word(1);
   } else if (PyLong_CheckExact(o)) {
     int overflow = 0;
@@ -195,9 +195,7 @@ bool signature(PyObject* const* a, Key& key) {
   key.word(((uintptr_t)tq.data_ptr() | (uintptr_t)tk.data_ptr() | (uintptr_t)tv.data_ptr()) & 15);
   if (!decay_arg(key, a[3], grad, strict) || !decay_arg(key, a[4], grad, strict)) return false;
   if (!number(key, a[5])) return false;
-  if (!PyUnicode_CheckExact(a[6]) || !PyUnicode_CheckExact(a[7])) return false;
-  key.text(a[6]);
-  key.text(a[7]);
+  if (!PyUnicode_CheckExact(a[6]) || !PyUnicode_CheckExact(a[7]) || !key.text(a[6]) || !key.text(a[7])) return false;
   if (s0 == Py_None) {
     key.word(0);
   } else {
@@ -213,8 +211,7 @@ bool signature(PyObject* const* a, Key& key) {
     if (tq.scalar_type() == at::kFloat) return false;  // follows torch's matmul setting: Python's path
     key.word(0);
   } else {
-    if (!PyUnicode_CheckExact(prec)) return false;
-    key.text(prec);
+    if (!PyUnicode_CheckExact(prec) || !key.text(prec)) return false;
   }
   return true;
 }
