@@ -74,7 +74,7 @@ struct Entry : torch::CustomClassHolder {
 // clears the map at exit instead, rtkernels/compiled_call.py).
 auto& g_entries = *new std::unordered_map<std::string, c10::intrusive_ptr<Entry>>();
 LaunchFn g_launch = nullptr;
-PyObject* g_backward = nullptr;      // rtkernels.compiled_call._node_backward
+PyObject* g_backward = nullptr;      // rtkernels.compiled_call.node_backward
 PyObject* g_answers = nullptr;       // rtkernels.autotune.answers (its _generation, _forced)
 PyObject* g_plan = nullptr;          // rtkernels.methods.chunk.plan (its overrides)
 PyObject* g_decay = nullptr;         // rtkernels.decay (its _strict)
