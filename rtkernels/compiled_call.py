@@ -41,7 +41,8 @@ from .jit.files import cache_dir
 from .jit.sources import source_dir
 from .methods.chunk import plan
 
-__all__ = ["ENV", "MISS", "module", "enabled", "build", "status", "offer", "clear", "size", "suspended", "SOURCE"]
+__all__ = ["ENV", "MISS", "module", "enabled", "build", "status", "offer", "clear", "size", "suspended", "SOURCE",
+           "NodeInfo", "node_backward"]
 
 #: Environment variable: ``0`` never builds or uses the compiled entry.
 ENV = "RTKERNELS_COMPILED_CALL"
@@ -87,7 +88,7 @@ def _load() -> None:
         ext = cpp_extension.load("rtk_compiled_call", [str(source_dir() / SOURCE)], extra_cflags=["-O2"],
                                  build_directory=_build_dir(), with_cuda=False, verbose=False)
         # no driver library (a CPU-only machine): loaded, but it registers nothing and misses every call
-        ext.init(driver.launch_kernel_address() or 0, tensor_map.replace_address_function() or 0, _node_backward,
+        ext.init(driver.launch_kernel_address() or 0, tensor_map.replace_address_function() or 0, node_backward,
                  answers, plan, decay, MISS)
     except Exception as exc:  # no compiler, no ninja, a compile error: Python's path serves every call
         with _lock:
@@ -182,7 +183,7 @@ class _NodeContext:
     __slots__ = ("saved_tensors", "call", "needs_input_grad", "source_meta", "forward_states")
 
 
-def _node_backward(info: NodeInfo, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay_t: Optional[torch.Tensor],
+def node_backward(info: NodeInfo, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay_t: Optional[torch.Tensor],
                    s0: Optional[torch.Tensor], kept: Optional[torch.Tensor], needs: tuple,
                    grad_out: Optional[torch.Tensor], grad_state: Optional[torch.Tensor]) -> tuple:
     """The compiled node's backward: the Python Function's (:class:`~rtkernels.autograd.CausalLinearAttentionFunction`)

@@ -80,7 +80,7 @@ struct Entry : c10::intrusive_ptr_target {
 auto& g_entries = *new std::unordered_map<std::string, c10::intrusive_ptr<Entry>>();
 LaunchFn g_launch = nullptr;
 ReplaceFn g_replace = nullptr;
-PyObject* g_backward = nullptr;      // rtkernels.compiled_call._node_backward
+PyObject* g_backward = nullptr;      // rtkernels.compiled_call.node_backward
 PyObject* g_answers = nullptr;       // rtkernels.autotune.answers (its _generation, _forced)
 PyObject* g_plan = nullptr;          // rtkernels.methods.chunk.plan (its overrides)
 PyObject* g_decay = nullptr;         // rtkernels.decay (its _strict)
