@@ -37,10 +37,15 @@ def build_cpu_copy() -> Any:
   return true;
 }
 """ + patched[end:]
+    # its own module name: the real entry may be loaded in the same process
+    for a, b in (("PyInit_rtk_compiled_call(", "PyInit_rtk_compiled_call_cpu("),
+                 ('"rtk_compiled_call",', '"rtk_compiled_call_cpu",')):
+        assert patched.count(a) == 1, f"compiled_call.cpp's module definition changed: {a}"
+        patched = patched.replace(a, b)
     work = Path(tempfile.mkdtemp(prefix="rtk-compiled-cpu-"))
     (work / "compiled_call_cpu.cpp").write_text(patched)
-    ext = cpp_extension.load("rtk_compiled_call", [str(work / "compiled_call_cpu.cpp")], build_directory=str(work),
-                             extra_cflags=["-O2"], with_cuda=False)
+    ext = cpp_extension.load("rtk_compiled_call_cpu", [str(work / "compiled_call_cpu.cpp")],
+                             build_directory=str(work), extra_cflags=["-O2"], with_cuda=False)
     n_init = int(re.search(r'TORCH_CHECK\(n == (\d+), "init:', src).group(1))
     addresses = (1,) + (0,) * (n_init - 6)  # a launch address, then any other driver addresses
     ext.init(*addresses, compiled_call.node_backward, answers, plan, decay, compiled_call.MISS)
