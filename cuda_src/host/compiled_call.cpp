@@ -50,7 +50,7 @@ struct Launch {
   void* extra = nullptr;                           // one more parameter's address (static tensor maps), or null
 };
 
-struct Entry : torch::CustomClassHolder {
+struct Entry : c10::intrusive_ptr_target {
   std::vector<Launch> launches;
   std::vector<int64_t> temps;        // float32 elements of each temporary
   std::vector<int64_t> out_shape, state_shape;
@@ -330,7 +330,8 @@ PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
   TORCH_CHECK(g_miss != nullptr, "rtk_compiled_call: init() first");
   if (n != 11 || g_launch == nullptr) return Py_NewRef(g_miss);
-  Key key;
+  static thread_local Key key;  // its buffer reused: no allocation a call
+  key.bytes.clear();
   if (!signature(a, key)) return Py_NewRef(g_miss);
   auto it = g_entries.find(key.bytes);
   if (it == g_entries.end()) return Py_NewRef(g_miss);
