@@ -58,6 +58,7 @@ module: Any = None
 generation = 0
 
 _lock = threading.Lock()
+_built = threading.Event()  # set once a build has ended (loaded or failed)
 _state = "idle"  # idle, building, ready, failed, off
 _reason = ""
 
@@ -93,10 +94,12 @@ def _load() -> None:
     except Exception as exc:  # no compiler, no ninja, a compile error: Python's path serves every call
         with _lock:
             _state, _reason = "failed", f"{type(exc).__name__}: {str(exc).strip()[:500]}"
+        _built.set()
         return
     with _lock:
         generation += 1
         module, _state = ext, "ready"
+    _built.set()
 
 
 def build(wait: bool = True) -> bool:
@@ -114,9 +117,8 @@ def build(wait: bool = True) -> bool:
             _load()
         else:
             threading.Thread(target=_load, name="rtkernels-compiled-call", daemon=True).start()
-    elif wait:
-        while _state == "building":
-            threading.Event().wait(0.05)
+    elif wait and _state == "building":
+        _built.wait()
     return module is not None
 
 

@@ -346,7 +346,8 @@ PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
   TORCH_CHECK(g_miss != nullptr, "rtk_compiled_call: init() first");
   if (n != 11 || g_launch == nullptr) return Py_NewRef(g_miss);
-  Key key;
+  static thread_local Key key;  // its buffer reused: no allocation a call
+  key.bytes.clear();
   if (!signature(a, key)) return Py_NewRef(g_miss);
   auto it = g_entries.find(key.bytes);
   if (it == g_entries.end()) return Py_NewRef(g_miss);

@@ -4,6 +4,7 @@ call with new pointers), :func:`kernel_prepare` and :func:`kernel_forward`."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import torch
@@ -213,7 +214,7 @@ class ChunkLaunch:
         decay = (dp, 0) if device_decay else (const, self.decay_ptr)
         none = (const, 0)
         fused_s0, fused_fin, temps, runs, keep = (s0, 0), (fin, 0), [], [], -1
-        slots = self.slots * int(torch.Size(self.state_shape).numel())
+        slots = self.slots * math.prod(self.state_shape)
         if self.states is not None and self.scan is None:  # the states pass, then the fused pass folds its slots
             temps, keep = [slots], (0 if self.fold is not None else -1)
             runs.append((self.states, ((q, 0), (k, 0), (v, 0), (out, 0), decay, (s0, 0), (t0, 0))))

@@ -540,8 +540,8 @@ def tf32_wg_segments(bh_tiles: int, n: int, sms: int) -> int:
 
 
 def tf32_dlog_segments(bh_tiles: int, n: int, sms: int) -> int:
-    """Segments of float32's "tf32" dlog(gamma) kernel (``rtk_chunk_decay_grad_tf32``, one CTA of
-    256 threads per SM, ``bh_tiles`` CTAs a segment): :func:`segments_for` with one CTA per SM and
+    """Segments of float32's "tf32" dlog(gamma) kernel (``rtk_chunk_decay_grad_tf32``, one CTA per
+    SM, ``bh_tiles`` CTAs a segment): :func:`segments_for` with one CTA per SM and
     segments of at least 32 chunks. Its states pass (each segment but the last, k and v only)
     costs less than the walk it splits. H100, the kernel alone in ms by segments: (1, 32, 16384,
     128) 1: 1.42, **2: 1.08**, 4: 1.10; (1, 16, 32768, 128) 2: 2.07, **4: 1.05**, 8: 1.07; (2, 8,
