@@ -36,7 +36,7 @@ import torch
 
 from . import autograd, call_cache, decay
 from .autotune import answers
-from .jit import driver
+from .jit import driver, tensor_map
 from .jit.files import cache_dir
 from .jit.sources import source_dir
 from .methods.chunk import plan
@@ -89,7 +89,8 @@ def _load() -> None:
         ext = cpp_extension.load("rtk_compiled_call", [str(source_dir() / SOURCE)], extra_cflags=["-O2"],
                                  build_directory=_build_dir(), with_cuda=False, verbose=False)
         # no driver library (a CPU-only machine): loaded, but it registers nothing and misses every call
-        ext.init(driver.launch_kernel_address() or 0, node_backward, answers, plan, decay, MISS)
+        ext.init(driver.launch_kernel_address() or 0, tensor_map.replace_address_function() or 0, node_backward,
+                 answers, plan, decay, MISS)
     except Exception as exc:  # no compiler, no ninja, a compile error: Python's path serves every call
         with _lock:
             _state, _reason = "failed", f"{type(exc).__name__}: {str(exc).strip()[:500]}"

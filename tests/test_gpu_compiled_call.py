@@ -72,6 +72,8 @@ CASES = [  # dtype, fp32 mode, layout, b, n, dk, dv, decay form, state in and ou
     (torch.float32, "tf32", "bhnd", 2, 130, 128, 128, "tensor", True),
     (torch.float32, "exact", "bnhd", 1, 63, 64, 128, "rate", False),
     (torch.float32, "tf32", "bhnd", 1, 8192, 128, 128, "tensor", True),  # long: split, states pass and scan
+    (torch.bfloat16, None, "bhnd", 1, 8192, 128, 128, "tensor", True),  # long 16-bit: a states pass (on
+    (torch.float16, None, "bnhd", 1, 5000, 64, 128, "rate", False),      # Hopper by tensor maps), then fused
 ]
 
 

@@ -10,8 +10,8 @@
 // pointer parameters name a source (q, k, v, the output, the decay tensor, the states, a temporary)
 // plus a byte offset. call() computes the signature, finds the program, allocates, launches on
 // torch's current stream and returns the output, or the miss sentinel for anything it does not
-// know (Python then runs its own path). A call with autograd history gets a node of this file's
-// torch::autograd::Function whose backward calls Python's (the same body as the Python Function).
+// know (Python then runs its own path). A call with autograd history gets this file's autograd
+// node, whose backward calls Python's (the same body as the Python Function).
 
 #include <Python.h>
 
@@ -20,8 +20,10 @@
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
 
 #include <array>
 #include <cstring>
@@ -33,12 +35,14 @@ namespace {
 
 using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
                          void**);
+using ReplaceFn = int (*)(void*, void*);  // cuTensorMapReplaceAddress
 
 // Where a pointer parameter's value comes from (plus the slot's byte offset).
 enum Source : int { SRC_Q, SRC_K, SRC_V, SRC_OUT, SRC_DECAY, SRC_S0, SRC_FINAL, SRC_CONST, SRC_TEMP0 };
 constexpr int MAX_WORDS = 96;        // 8-byte kernel parameter words of one launch
 constexpr size_t MAX_ENTRIES = 512;  // a backstop: Python's call cache, as large, clears this one with itself
 constexpr int INVALID_CONTEXT = 201;  // CUDA_ERROR_INVALID_CONTEXT: a thread with no current context
+constexpr int MAP_BYTES = 128, MAX_MAPS = 4;  // a CUtensorMap (64-byte aligned)
 
 struct Launch {
   void* fn = nullptr;
@@ -47,7 +51,8 @@ struct Launch {
   int n_head = 0;                                  // pointer parameters, then one struct parameter
   std::vector<uint64_t> words;                     // the parameters as planned (pointer slots: written per call)
   std::vector<std::pair<int, int64_t>> head;       // per pointer slot: (source, byte offset)
-  void* extra = nullptr;                           // one more parameter's address (static tensor maps), or null
+  std::vector<unsigned char> maps;                 // the tensor-map parameter as encoded (empty: none)
+  std::vector<std::pair<int, int64_t>> map_sources;  // map i follows pointer slot .first less .second bytes
 };
 
 struct Entry : c10::intrusive_ptr_target {
@@ -74,6 +79,7 @@ struct Entry : c10::intrusive_ptr_target {
 // clears the map at exit instead, rtkernels/compiled_call.py).
 auto& g_entries = *new std::unordered_map<std::string, c10::intrusive_ptr<Entry>>();
 LaunchFn g_launch = nullptr;
+ReplaceFn g_replace = nullptr;
 PyObject* g_backward = nullptr;      // rtkernels.compiled_call.node_backward
 PyObject* g_answers = nullptr;       // rtkernels.autotune.answers (its _generation, _forced)
 PyObject* g_plan = nullptr;          // rtkernels.methods.chunk.plan (its overrides)
@@ -242,7 +248,16 @@ bool run(const Entry& e, Operands& x) {
     for (int i = 0; i < L.n_head; ++i) words[i] = base[L.head[i].first] + (uint64_t)L.head[i].second;
     const int slots = std::min<int>((int)L.words.size(), L.n_head + 1);
     for (int i = 0; i < slots; ++i) params[i] = &words[i];
-    params[slots] = L.extra;  // read only where the kernel has that parameter
+    alignas(64) unsigned char maps[MAX_MAPS * MAP_BYTES];
+    params[slots] = maps;  // read only where the kernel has that parameter
+    if (!L.maps.empty()) {  // this call's copy of the maps, each pointed at its tensor
+      std::memcpy(maps, L.maps.data(), L.maps.size());
+      for (size_t m = 0; m < L.map_sources.size(); ++m) {
+        void* at = (void*)(uintptr_t)(words[L.map_sources[m].first] - (uint64_t)L.map_sources[m].second);
+        const int st = g_replace(maps + MAP_BYTES * m, at);
+        TORCH_CHECK(st == 0, "rtkernels: cuTensorMapReplaceAddress failed with CUDA driver status ", st);
+      }
+    }
     const int status = g_launch(L.fn, L.grid[0], L.grid[1], L.grid[2], L.block[0], L.block[1], L.block[2], L.smem,
                                 stream, params, nullptr);
     if (status == INVALID_CONTEXT && l == 0) return false;
@@ -258,70 +273,71 @@ PyObject* wrap(const at::Tensor& t) {
   return THPVariable_Wrap(t);
 }
 
-// What a node keeps besides the saved q, k, v and s0 (one capsule: one map insertion a call).
-struct NodeData : torch::CustomClassHolder {
-  c10::intrusive_ptr<Entry> entry;
-  bool has_source = false, has_s0 = false;
-  at::Tensor decay, kept;  // the CUDA decay tensor read (or undefined); the forward's states kept (or undefined)
-};
+// The autograd node of a call with history, a plain Node rather than a torch::autograd::Function
+// (that one wraps inputs and outputs in bookkeeping this call does not need: about a third of
+// its host cost). Edges: q, k, v, the decay source, s0 (an absent one is an empty edge).
+using NodePtr = decltype(torch::autograd::Edge::function);  // shared_ptr or (newer torch) intrusive_ptr
 
-struct CachedAttention : torch::autograd::Function<CachedAttention> {
-  // Inputs with edges: q, k, v, then source (the decay tensor where it requires grad) and s0 where
-  // given. decay: the CUDA decay tensor the kernels read (undefined for a host decay), saved, not
-  // an input: its gradient is the source's.
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q,
-                                                const at::Tensor& k, const at::Tensor& v,
-                                                const std::optional<at::Tensor>& source,
-                                                const std::optional<at::Tensor>& s0, const at::Tensor* decay,
-                                                Entry* e, bool* ok) {
-    ctx->set_materialize_grads(false);
-    const at::Tensor s0t = s0.has_value() ? *s0 : at::Tensor();
-    Operands x{&q, &k, &v, decay, &s0t, {}, {}, {}};
-    *ok = run(*e, x);
-    ctx->save_for_backward({q, k, v, s0t});
-    auto data = c10::make_intrusive<NodeData>();
-    data->entry = c10::intrusive_ptr<Entry>::reclaim_copy(e);
-    data->has_source = source.has_value(), data->has_s0 = s0.has_value();
-    data->decay = *decay;
-    if (e->keep_temp >= 0 && *ok) data->kept = x.temps[(size_t)e->keep_temp];
-    ctx->saved_data["n"] = c10::IValue::make_capsule(std::move(data));
-    if (e->need_state) return {x.out, x.final};
-    return {x.out};
+template <class N, class P = NodePtr>
+auto new_node() {
+  if constexpr (std::is_same_v<P, std::shared_ptr<torch::autograd::Node>>) {
+    return std::shared_ptr<N>(new N());
+  } else {
+    return c10::make_intrusive<N>();
+  }
+}
+
+struct CachedAttentionBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable q, k, v, s0;
+  c10::intrusive_ptr<Entry> entry;
+  at::Tensor decay, kept;  // the CUDA decay tensor read (or undefined); the forward's states kept (or undefined)
+
+  std::string name() const override { return "RtkernelsCachedCallBackward"; }
+
+  void release_variables() override {
+    q.reset_data(), k.reset_data(), v.reset_data(), s0.reset_data();
+    kept = at::Tensor();
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    auto saved = ctx->get_saved_variables();
-    auto holder = ctx->saved_data["n"].toCapsule();
-    const NodeData& data = *static_cast<const NodeData*>(holder.get());
-    const Entry* e = data.entry.get();
-    const bool has_source = data.has_source, has_s0 = data.has_s0;
-    const at::Tensor &decay = data.decay, &kept = data.kept;
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    const at::Tensor tq = q.unpack(), tk = k.unpack(), tv = v.unpack(), ts0 = s0.unpack();
     at::Tensor g_out = grads.size() > 0 ? grads[0] : at::Tensor();
     at::Tensor g_state = grads.size() > 1 ? grads[1] : at::Tensor();
-    // needs_input_grad counts the inputs with edges: q, k, v, then the source and s0 where given
-    const bool needs[5] = {ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2),
-                           has_source && ctx->needs_input_grad(3), has_s0 && ctx->needs_input_grad(3 + has_source)};
-    std::array<at::Tensor, 5> out;
-    {
-      pybind11::gil_scoped_acquire gil;
-      PyObject* flags = PyTuple_New(5);
-      for (int i = 0; i < 5; ++i) PyTuple_SET_ITEM(flags, i, PyBool_FromLong(needs[i]));
-      PyObject* args[] = {e->info, wrap(saved[0]), wrap(saved[1]), wrap(saved[2]), wrap(decay), wrap(saved[3]),
-                          wrap(kept), flags, wrap(g_out), wrap(g_state)};
-      constexpr size_t nargs = sizeof args / sizeof args[0];
-      PyObject* res = PyObject_Vectorcall(g_backward, args, nargs, nullptr);
-      for (size_t i = 1; i < nargs; ++i) Py_DECREF(args[i]);
-      if (!res) throw python_error();
-      const bool shaped = PyTuple_Check(res) && PyTuple_GET_SIZE(res) == 5;
-      for (int i = 0; shaped && i < 5; ++i) out[(size_t)i] = unpack_or_none(PyTuple_GET_ITEM(res, i));
-      Py_DECREF(res);
-      TORCH_CHECK(shaped, "rtkernels: the compiled entry's backward expected 5 gradients");
-    }
-    // one per forward argument: q, k, v, the source, s0, then none for decay, the entry and the flag
-    return {out[0], out[1], out[2], out[3], out[4], at::Tensor(), at::Tensor(), at::Tensor()};
+    torch::autograd::variable_list out(5);
+    pybind11::gil_scoped_acquire gil;
+    PyObject* flags = PyTuple_New(5);
+    for (int i = 0; i < 5; ++i) PyTuple_SET_ITEM(flags, i, PyBool_FromLong(task_should_compute_output((size_t)i)));
+    PyObject* args[] = {entry->info, wrap(tq), wrap(tk), wrap(tv), wrap(decay), wrap(ts0), wrap(kept), flags,
+                        wrap(g_out), wrap(g_state)};
+    constexpr size_t nargs = sizeof args / sizeof args[0];
+    PyObject* res = PyObject_Vectorcall(g_backward, args, nargs, nullptr);
+    for (size_t i = 1; i < nargs; ++i) Py_DECREF(args[i]);
+    if (!res) throw python_error();
+    const bool shaped = PyTuple_Check(res) && PyTuple_GET_SIZE(res) == 5;
+    for (int i = 0; shaped && i < 5; ++i) out[(size_t)i] = unpack_or_none(PyTuple_GET_ITEM(res, i));
+    Py_DECREF(res);
+    TORCH_CHECK(shaped, "rtkernels: the compiled entry's backward expected 5 gradients");
+    return out;
   }
 };
+
+// Runs a call with autograd history: the program, then the node as the outputs' grad_fn. False
+// (nothing launched, no node) where run() is.
+bool run_with_history(const c10::intrusive_ptr<Entry>& e, Operands& x, const at::Tensor& source) {
+  if (!run(*e, x)) return false;
+  auto node = new_node<CachedAttentionBackward>();
+  node->set_next_edges(torch::autograd::collect_next_edges(*x.q, *x.k, *x.v, source, *x.s0));
+  node->q = torch::autograd::SavedVariable(*x.q, false);
+  node->k = torch::autograd::SavedVariable(*x.k, false);
+  node->v = torch::autograd::SavedVariable(*x.v, false);
+  node->s0 = torch::autograd::SavedVariable(*x.s0, false);
+  node->entry = e;
+  node->decay = *x.decay;
+  if (e->keep_temp >= 0) node->kept = x.temps[(size_t)e->keep_temp];
+  torch::autograd::set_history(x.out, node);
+  if (e->need_state) torch::autograd::set_history(x.final, node);
+  return true;
+}
 
 // ---- the Python functions ---------------------------------------------------------------------
 // call(q, k, v, decay, decay_rate, scale, method, layout, initial_state, return_state,
@@ -340,21 +356,10 @@ PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   PyObject* decay_obj = a[4] == Py_None ? a[3] : a[4];
   const at::Tensor decay = e->device_decay ? THPVariable_Unpack(decay_obj) : at::Tensor();
   const at::Tensor s0 = a[8] == Py_None ? at::Tensor() : THPVariable_Unpack(a[8]);
-  at::Tensor out, final;
-  if (e->grad) {
-    std::optional<at::Tensor> source, s0o;
-    if (decay.defined() && decay.requires_grad()) source = decay;
-    if (s0.defined()) s0o = s0;
-    bool ok = false;
-    auto res = CachedAttention::apply(q, k, v, source, s0o, &decay, e.get(), &ok);
-    if (!ok) return Py_NewRef(g_miss);  // nothing launched; the node is dropped with res
-    out = res[0];
-    if (e->need_state) final = res[1];
-  } else {
-    Operands x{&q, &k, &v, &decay, &s0, {}, {}, {}};
-    if (!run(*e, x)) return Py_NewRef(g_miss);
-    out = std::move(x.out), final = std::move(x.final);
-  }
+  Operands x{&q, &k, &v, &decay, &s0, {}, {}, {}};
+  const at::Tensor source = decay.defined() && decay.requires_grad() ? decay : at::Tensor();
+  if (!(e->grad ? run_with_history(e, x, source) : run(*e, x))) return Py_NewRef(g_miss);
+  at::Tensor out = std::move(x.out), final = std::move(x.final);
   if (a[9] != Py_True) return THPVariable_Wrap(out);
   PyObject* pair = PyTuple_New(2);
   PyTuple_SET_ITEM(pair, 0, THPVariable_Wrap(out));
@@ -376,8 +381,9 @@ std::vector<int64_t> int_list(PyObject* seq) {
 
 // register(args, spec) with args the call's 11 arguments (a tuple) and spec = (device, out_shape,
 // out_dtype_example, need_state, state_shape, device_decay, temps, launches, keep_temp, owner,
-// info): True if kept. launches: (function, grid, block, smem, n_head, words bytes, extra address,
-// head) with head a sequence of (source, offset). info None: a call without autograd history.
+// info): True if kept. launches: (function, grid, block, smem, n_head, words bytes, maps bytes,
+// map sources, head) with head a sequence of (source, offset). info None: a call without
+// autograd history.
 PyObject* register_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
   TORCH_CHECK(n == 2 && PyTuple_Check(a[0]) && PyTuple_GET_SIZE(a[0]) == 11 && PyTuple_Check(a[1]) &&
@@ -398,7 +404,7 @@ PyObject* register_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   if (!launches) throw python_error();
   for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(launches); ++i) {
     PyObject* l = PySequence_Fast_GET_ITEM(launches, i);
-    TORCH_CHECK(PyTuple_Check(l) && PyTuple_GET_SIZE(l) == 8, "register: a launch is an 8-tuple");
+    TORCH_CHECK(PyTuple_Check(l) && PyTuple_GET_SIZE(l) == 9, "register: a launch is a 9-tuple");
     Launch L;
     L.fn = PyLong_AsVoidPtr(PyTuple_GET_ITEM(l, 0));
     auto g = int_list(PyTuple_GET_ITEM(l, 1)), b = int_list(PyTuple_GET_ITEM(l, 2));
@@ -411,8 +417,20 @@ PyObject* register_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
                 "register: words are bytes, 8 a parameter, at most ", MAX_WORDS);
     L.words.resize((size_t)PyBytes_GET_SIZE(raw) / 8);
     std::memcpy(L.words.data(), PyBytes_AS_STRING(raw), (size_t)PyBytes_GET_SIZE(raw));
-    L.extra = PyLong_AsVoidPtr(PyTuple_GET_ITEM(l, 6));
-    PyObject* head = PySequence_Fast(PyTuple_GET_ITEM(l, 7), "head: a sequence");
+    PyObject* maps = PyTuple_GET_ITEM(l, 6);
+    TORCH_CHECK(PyBytes_Check(maps) && PyBytes_GET_SIZE(maps) <= MAX_MAPS * MAP_BYTES, "register: maps are bytes");
+    L.maps.assign(PyBytes_AS_STRING(maps), PyBytes_AS_STRING(maps) + PyBytes_GET_SIZE(maps));
+    PyObject* msrc = PySequence_Fast(PyTuple_GET_ITEM(l, 7), "map sources: a sequence");
+    if (!msrc) throw python_error();
+    for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(msrc); ++j) {
+      auto src = int_list(PySequence_Fast_GET_ITEM(msrc, j));
+      TORCH_CHECK(src.size() == 2, "register: a map source is (pointer slot, delta)");
+      L.map_sources.emplace_back((int)src[0], src[1]);
+    }
+    Py_DECREF(msrc);
+    TORCH_CHECK(L.map_sources.empty() || g_replace != nullptr, "register: maps to move but no cuTensorMapReplaceAddress");
+    TORCH_CHECK(L.map_sources.size() * MAP_BYTES <= L.maps.size(), "register: more map sources than maps");
+    PyObject* head = PySequence_Fast(PyTuple_GET_ITEM(l, 8), "head: a sequence");
     if (!head) throw python_error();
     for (Py_ssize_t j = 0; j < PySequence_Fast_GET_SIZE(head); ++j) {
       auto slot = int_list(PySequence_Fast_GET_ITEM(head, j));
@@ -422,6 +440,7 @@ PyObject* register_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
     }
     Py_DECREF(head);
     TORCH_CHECK((int)L.head.size() == L.n_head && L.n_head <= (int)L.words.size(), "register: head size");
+    for (const auto& src : L.map_sources) TORCH_CHECK(src.first >= 0 && src.first < L.n_head, "register: map source");
     e->launches.push_back(std::move(L));
   }
   Py_DECREF(launches);
@@ -437,15 +456,17 @@ PyObject* register_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   END_HANDLE_TH_ERRORS
 }
 
-// init(launch_address, backward, answers, plan, decay, miss): the cuLaunchKernel address, the
-// Python backward of a node, the modules whose state a plan depends on, the miss sentinel.
+// init(launch_address, replace_address, backward, answers, plan, decay, miss): the addresses of
+// cuLaunchKernel and cuTensorMapReplaceAddress (0: none), the Python backward of a node, the
+// modules whose state a plan depends on, the miss sentinel.
 PyObject* init(PyObject*, PyObject* const* a, Py_ssize_t n) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK(n == 6, "init: six arguments");
+  TORCH_CHECK(n == 7, "init: seven arguments");
   g_entries.clear();
   g_launch = reinterpret_cast<LaunchFn>(PyLong_AsVoidPtr(a[0]));
+  g_replace = reinterpret_cast<ReplaceFn>(PyLong_AsVoidPtr(a[1]));
   PyObject** slots[] = {&g_backward, &g_answers, &g_plan, &g_decay, &g_miss};
-  for (int i = 0; i < 5; ++i) Py_XSETREF(*slots[i], Py_NewRef(a[i + 1]));
+  for (int i = 0; i < 5; ++i) Py_XSETREF(*slots[i], Py_NewRef(a[i + 2]));
   Py_XSETREF(g_overrides, PyObject_GetAttr(g_plan, s_overrides));
   if (!g_overrides) throw python_error();
   Py_RETURN_NONE;

@@ -320,16 +320,20 @@ class BoundLaunch:
         self._late = struct.Struct(f"<{late}q") if late else None
         self._late_at = 8 * (n_head + len(tail) - late)
 
-    def parameters(self) -> Optional[tuple[int, tuple, tuple, int, int, bytes, int]]:
+    def parameters(self) -> Optional[tuple[int, tuple, tuple, int, int, bytes, bytes, tuple]]:
         """The launch as plain values for a compiled caller (:mod:`rtkernels.compiled_call`):
-        ``(CUfunction, grid, block, shared memory, n_head, parameter words, maps address or 0)``,
-        the words being the packed parameters (the caller writes the ``n_head`` pointer slots) and
-        the last the address of the tensor-map parameter (maps that follow no pointer); None for a
-        launch whose calls pass more than the pointers (maps that follow them, ``late`` fields)."""
-        if (self.maps is not None and self.maps.sources) or self._late is not None:
+        ``(CUfunction, grid, block, shared memory, n_head, parameter words, maps, map sources)``,
+        the words being the packed parameters (the caller writes the ``n_head`` pointer slots),
+        ``maps`` the tensor-map parameter as encoded (empty bytes without one) and ``map sources``
+        its :attr:`TensorMaps.sources` (map i follows pointer slot ``index`` less ``delta`` bytes:
+        the caller swaps each map's address on its own copy). None for a launch whose calls pass
+        ``late`` fields."""
+        if self._late is not None:
             return None
+        maps = b"" if self.maps is None else self.maps.image()
+        sources = () if self.maps is None else self.maps.sources
         return (self.kernel._ptr, tuple(self.grid), tuple(self.block), self.shared_mem, self.n_head,
-                bytes(self._buf[0].raw), 0 if self.maps is None else self.maps.address)
+                bytes(self._buf[0].raw), maps, tuple(sources))
 
     def __call__(self, *head: int) -> None:
         if torch._C._cuda_getDevice() != self.dev:

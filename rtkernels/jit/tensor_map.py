@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 from . import driver
 
-__all__ = ["MAP_BYTES", "TensorMaps"]
+__all__ = ["MAP_BYTES", "TensorMaps", "replace_address_function"]
 
 #: Size of one tensor map; its alignment is 64 bytes.
 MAP_BYTES = 128
@@ -40,6 +40,12 @@ def _calls() -> Optional[tuple[Any, Any]]:
     rep.argtypes = [vp, vp]
     enc.restype = rep.restype = ctypes.c_int
     return enc, rep
+
+
+def replace_address_function() -> Optional[int]:
+    """The address of ``cuTensorMapReplaceAddress`` (for compiled callers), or None."""
+    calls = _calls()
+    return None if calls is None else ctypes.cast(calls[1], ctypes.c_void_p).value
 
 
 class TensorMaps:
@@ -73,6 +79,10 @@ class TensorMaps:
         if status == 0 and index < len(self._bases):
             self._bases[index] = base
         return status == 0
+
+    def image(self) -> bytes:
+        """The maps as encoded (``count`` x :data:`MAP_BYTES`), for a caller that copies them."""
+        return ctypes.string_at(self.address, len(self._raw) - 64)
 
     def update(self, head: Sequence[int]) -> None:
         """Point each map at its source pointer of this launch's ``head`` (a driver call only for a

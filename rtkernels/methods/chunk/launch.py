@@ -201,7 +201,7 @@ class ChunkLaunch:
     def program(self, device_decay: bool) -> Optional[tuple]:
         """This call as a fixed program for the compiled entry (:mod:`rtkernels.compiled_call`):
         ``(temps, launches, keep, state_shape)``, or None where a call needs Python (packed,
-        reversed, tensor maps that follow the pointers). ``temps``: float32 element counts of the per-call
+        reversed). ``temps``: float32 element counts of the per-call
         buffers; ``launches``: :meth:`BoundLaunch.parameters` plus, per pointer slot, (source,
         byte offset) with sources q, k, v, out, decay, initial state, final state, constant,
         temporaries (``PROGRAM_SOURCES``); ``keep``: the temporary a training forward keeps for the
