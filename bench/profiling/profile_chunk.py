@@ -6,7 +6,8 @@
 CASE: mid (4,32,4096,128) bf16, long (1,32,16384,128) bf16, f32 (4,32,4096,128) fp32 exact,
 tf32 (same, TF32 mode), dgrad (mid bf16 forward + backward with a trainable CUDA decay: the
 dq pass that sums dlog(gamma)), dlog-f32 / dlog-tf32 (the float32 dlog(gamma) kernel alone at mid,
-"exact" / "tf32"), dq-dlog / dq-dlog16 (that dq pass alone at mid, bf16 / fp16). bench/profiling/ncu_chunk.sh runs ncu over each case and calls ``top``.
+"exact" / "tf32"), dq-dlog / dq-dlog16 (the W form of that dq pass alone at mid, bf16 / fp16), dq-z
+(the Z form, 128 wide, bf16: the pass a trainable step at mid runs). bench/profiling/ncu_chunk.sh runs ncu over each case and calls ``top``.
 """
 import csv
 import sys
@@ -15,7 +16,8 @@ CASES = {"mid": ((4, 32, 4096, 128), "bfloat16", "exact"), "long": ((1, 32, 1638
          "f32": ((4, 32, 4096, 128), "float32", "exact"), "tf32": ((4, 32, 4096, 128), "float32", "tf32"),
          "dgrad": ((4, 32, 4096, 128), "bfloat16", "exact"),
          "dlog-f32": ((4, 32, 4096, 128), "float32", "exact"), "dlog-tf32": ((4, 32, 4096, 128), "float32", "tf32"),
-         "dq-dlog": ((4, 32, 4096, 128), "bfloat16", "exact"), "dq-dlog16": ((4, 32, 4096, 128), "float16", "exact")}
+         "dq-dlog": ((4, 32, 4096, 128), "bfloat16", "exact"), "dq-dlog16": ((4, 32, 4096, 128), "float16", "exact"),
+         "dq-z": ((4, 32, 4096, 128), "bfloat16", "exact")}
 
 
 def run(case: str) -> None:
@@ -38,7 +40,7 @@ def run(case: str) -> None:
             kernel_log_decay_grad(q, k, v, log_decay, 1.0, None, g, None, fp32_precision=prec)
         torch.cuda.synchronize()
         return
-    if case.startswith("dq-dlog"):
+    if case.startswith("dq-"):
         from rtkernels.decay import KIND_FACTOR, LogDecay
         from rtkernels.methods.chunk import decay_grad, launch
 
@@ -46,7 +48,7 @@ def run(case: str) -> None:
         g, dq = torch.randn_like(v), torch.empty_like(q)
         part = decay_grad.dq_pass_partials(q, v)
         for _ in range(4):
-            launch.kernel_forward(g, v, k, log_decay, 1.0, dq, None, False, dlog=(q, part, None))
+            launch.kernel_forward(g, v, k, log_decay, 1.0, dq, None, False, dlog=(q, part, None), zsplit=case == "dq-z")
         torch.cuda.synchronize()
         return
     if case == "dgrad":
