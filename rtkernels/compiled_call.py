@@ -5,13 +5,13 @@ Python its signature, the output's allocation and the launch are each a few cros
 C++ and cost about 20 µs of host time on a slow host, 28 µs with autograd history. The compiled
 entry does the three in one crossing, in C++: the same signature (computed from the call's own
 arguments by the one function that both registration and lookup use), ``at::empty``, and
-``cuLaunchKernel`` on torch's current stream. A call with autograd history gets a node of a C++
-``torch::autograd::Function`` whose backward runs the Python Function's own backward.
+``cuLaunchKernel`` on torch's current stream. A call with autograd history gets a C++ autograd
+node whose backward runs the Python Function's own backward (:func:`node_backward`).
 
 It serves CUDA calls whose plan is a fixed program of launches (:meth:`ChunkLaunch.program
 <rtkernels.methods.chunk.launch.ChunkLaunch.program>`): torch tensors in, any decay form but a CPU
-tensor (keyed by value in Python), float32 only with an explicit ``fp32_precision``, no forced
-autotune candidate, the chunk overrides in force when it was loaded, strict decay checks off.
+tensor (keyed by value in Python), float32 with ``fp32_precision`` given or following torch's
+float32 matmul setting (read on every call, part of the signature), no forced autotune candidate, the chunk overrides in force when it was loaded, strict decay checks off.
 Everything else, and any call it has not seen, takes Python's path, which registers the call here
 once it has passed every check.
 

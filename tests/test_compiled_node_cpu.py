@@ -2,12 +2,13 @@
 launches nothing (tests/compiled_cpu_copy.py): its gradients equal the Python Function's bit for
 bit (the same backward body on the node's saved tensors), for a trainable decay and for a state in
 and out through either output; an in-place change of a saved input raises; a second derivative
-raises."""
+raises. Float32 without an explicit precision is keyed by torch's matmul setting."""
 
 import pytest
 import torch
 
 import rtkernels
+from rtkernels import compiled_call
 from compiled_cpu_copy import build_cpu_copy, register
 from rtkernels.decay import LogDecay
 
@@ -77,3 +78,28 @@ def test_second_derivative_raises(ext):
     (gq,) = torch.autograd.grad(ext.call(*args), q, w, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         gq.sum().backward()
+
+
+def test_float32_is_keyed_by_torch_matmul_setting(ext):
+    """fp32_precision None follows torch.get_float32_matmul_precision(): the entry reads it on each
+    call, so a changed setting misses (Python's path then plans for it) and the old one hits again."""
+    q = torch.randn(B, H, N, D, dtype=torch.float32)
+    args = (q, q, q, 0.9, None, 1.0, "chunk", "bhnd", None, False, None)
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        with torch.no_grad():
+            assert register(ext, args, q, grad=False)
+            assert ext.call(*args) is not compiled_call.MISS
+            for setting in ("high", "medium"):
+                torch.set_float32_matmul_precision(setting)
+                assert ext.call(*args) is compiled_call.MISS, setting
+            torch.set_float32_matmul_precision("highest")
+            assert ext.call(*args) is not compiled_call.MISS
+            q16 = q.to(torch.bfloat16)  # other dtypes ignore the setting
+            args16 = (q16, q16, q16) + args[3:]
+            assert register(ext, args16, q16, grad=False)
+            torch.set_float32_matmul_precision("high")
+            assert ext.call(*args16) is not compiled_call.MISS
+    finally:
+        torch.set_float32_matmul_precision(previous)

@@ -2,7 +2,8 @@
 repeated call is answered by the C++ entry (Python's signature is never computed), its output,
 final state and gradients equal Python's path bit for bit and the fp64 reference within the
 dtype's tolerance, with no host sync and inside a CUDA graph; what it does not know (strict
-decay checks, overrides, a CPU decay tensor, float32 following torch's setting) takes Python's path."""
+decay checks, overrides, a CPU decay tensor) takes Python's path; float32 that follows torch's
+matmul setting is keyed by that setting."""
 
 from __future__ import annotations
 
@@ -250,8 +251,21 @@ def test_what_the_compiled_entry_leaves_to_python(entry):
 
     assert calls_reaching_python(lambda: cla(q, k, v, decay)) == 1  # the first, which registers it
     assert calls_reaching_python(lambda: cla(q, k, v, decay.cpu())) == 3  # a CPU decay is keyed by value
-    assert calls_reaching_python(lambda: cla(q32, k32, v32, decay)) == 3  # float32 following torch's setting
     assert calls_reaching_python(lambda: cla(q32, k32, v32, decay, fp32_precision="tf32")) == 1
+    # float32 following torch's matmul setting: keyed by the setting, read on every call
+    previous = torch.get_float32_matmul_precision()
+    try:
+        for setting, mode in (("highest", "exact"), ("high", "tf32")):
+            torch.set_float32_matmul_precision(setting)
+            assert calls_reaching_python(lambda: cla(q32, k32, v32, decay)) == 1, setting  # registers it
+            got = cla(q32, k32, v32, decay)
+            with compiled_call.suspended():
+                want = cla(q32, k32, v32, decay, fp32_precision=mode)
+            assert torch.equal(got, want), setting
+        torch.set_float32_matmul_precision("highest")
+        assert calls_reaching_python(lambda: cla(q32, k32, v32, decay)) == 0  # the first setting's entry
+    finally:
+        torch.set_float32_matmul_precision(previous)
     with override(segments=2):
         assert calls_reaching_python(lambda: cla(q, k, v, decay)) == 3
     previous = rtkernels.set_strict_decay(True)

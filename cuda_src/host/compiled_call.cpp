@@ -15,6 +15,7 @@
 
 #include <Python.h>
 
+#include <ATen/Context.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/DeviceGuard.h>
@@ -207,9 +208,8 @@ bool signature(PyObject* const* a, Key& key) {
   }
   if (ret != Py_True && ret != Py_False) return false;
   key.word(ret == Py_True);
-  if (prec == Py_None) {
-    if (tq.scalar_type() == at::kFloat) return false;  // follows torch's matmul setting: Python's path
-    key.word(0);
+  if (prec == Py_None) {  // float32 follows torch's matmul setting, read per call as Python's key reads it
+    key.word(tq.scalar_type() == at::kFloat ? 16 + (int64_t)at::globalContext().float32MatmulPrecision() : 0);
   } else {
     if (!PyUnicode_CheckExact(prec) || !key.text(prec)) return false;
   }
