@@ -2,7 +2,8 @@
 launches nothing (tests/compiled_cpu_copy.py): its gradients equal the Python Function's bit for
 bit (the same backward body on the node's saved tensors), for a trainable decay and for a state in
 and out through either output; an in-place change of a saved input raises; a second derivative
-raises. Float32 without an explicit precision is keyed by torch's matmul setting."""
+raises; saved-tensor hooks apply as on the Python Function. Float32 without an explicit precision
+is keyed by torch's matmul setting."""
 
 import pytest
 import torch
@@ -103,3 +104,35 @@ def test_float32_is_keyed_by_torch_matmul_setting(ext):
             assert ext.call(*args16) is not compiled_call.MISS
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def test_saved_tensor_hooks_apply_as_on_the_python_function(ext):
+    """torch.autograd.graph.saved_tensors_hooks (activation offloading, checkpointing tools) pack
+    and unpack the node's saved inputs as they do the Python Function's, and the gradients match."""
+    q, k, v, s0, g, _ = _inputs(4)
+    args = (q, k, v, 0.9, None, 1.0, "chunk", "bhnd", s0, False, "exact")
+    assert register(ext, args, v, host_decay=LogDecay.from_rate_or_factor(0.9, False, H, torch.device("cpu")))
+
+    def run(fn):
+        packed, unpacked = [], []
+
+        def pack(t):
+            packed.append(t.shape)
+            return t.clone()  # a copy, as an offloading hook makes
+
+        def unpack(t):
+            unpacked.append(t.shape)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            out = fn()
+        grads = torch.autograd.grad(out, (q, k, v, s0), g)
+        return sorted(packed), sorted(unpacked), grads
+
+    got = run(lambda: ext.call(*args))
+    want = run(lambda: rtkernels.causal_linear_attention(q, k, v, 0.9, method="chunk", initial_state=s0,
+                                                         fp32_precision="exact"))
+    assert got[0] == want[0] and len(got[0]) == 4  # q, k, v and the initial state
+    assert got[1] == want[1]
+    for a, b in zip(got[2], want[2]):
+        assert torch.equal(a, b)
