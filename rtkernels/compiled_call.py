@@ -11,7 +11,8 @@ node whose backward runs the Python Function's own backward (:func:`node_backwar
 It serves CUDA calls whose plan is a fixed program of launches (:meth:`ChunkLaunch.program
 <rtkernels.methods.chunk.launch.ChunkLaunch.program>`): torch tensors in, any decay form but a CPU
 tensor (keyed by value in Python), float32 with ``fp32_precision`` given or following torch's
-float32 matmul setting (read on every call, part of the signature), no forced autotune candidate, the chunk overrides in force when it was loaded, strict decay checks off.
+float32 matmul setting (read on every call, part of the signature), no forced autotune
+candidate, the chunk overrides in force when it was loaded, strict decay checks off.
 Everything else, and any call it has not seen, takes Python's path, which registers the call here
 once it has passed every check.
 
@@ -139,9 +140,7 @@ def offer(args: tuple, hit: call_cache.CachedCall) -> None:
     if spec is None or (s0 is not None and (s0.dtype != torch.float32 or not s0.is_contiguous())):
         return  # (the launcher converts such an initial state per call)
     temps, launches, keep, state_shape = spec
-    fold = getattr(hit.launcher, "fold", None)
-    info = None if hit.grad is None else NodeInfo(
-        hit.grad, fold, None if fold is None else (hit.launcher.slots, *hit.launcher.state_shape))
+    info = None if hit.grad is None else NodeInfo(hit.grad, getattr(hit.launcher, "fold", None))
     module.register(args, (hit.device.index, hit.out_shape, torch.empty(0, dtype=hit.dtype), state_shape is not None,
                            state_shape or (), hit.device_decay, temps, launches, keep, hit.launcher, info))
 
@@ -173,13 +172,12 @@ def suspended() -> Iterator[None]:
 
 class NodeInfo:
     """What the compiled entry's autograd node hands its backward besides the tensors: the cached
-    call's :class:`~rtkernels.call_cache.GradCall`, the forward's split-sequence ``fold`` (or None)
-    and the shape of the slots it keeps (the entry holds them as one flat float32 buffer)."""
+    call's :class:`~rtkernels.call_cache.GradCall` and the forward's split-sequence ``fold`` (or None)."""
 
-    __slots__ = ("grad", "fold", "slots_shape")
+    __slots__ = ("grad", "fold")
 
-    def __init__(self, grad: call_cache.GradCall, fold: Optional[tuple], slots_shape: Optional[tuple] = None):
-        self.grad, self.fold, self.slots_shape = grad, fold, slots_shape
+    def __init__(self, grad: call_cache.GradCall, fold: Optional[tuple]):
+        self.grad, self.fold = grad, fold
 
 
 class _NodeContext:
@@ -201,8 +199,7 @@ def node_backward(info: NodeInfo, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     ctx.needs_input_grad = (False, *needs, False)
     src = log_decay.source
     ctx.source_meta = None if src is None else (src.device, src.dtype)
-    ctx.forward_states = None if kept is None or info.fold is None else (
-        kept if info.slots_shape is None else kept.view(info.slots_shape), info.fold)
+    ctx.forward_states = None if kept is None or info.fold is None else (kept, info.fold)
     return autograd.CausalLinearAttentionFunction.backward(ctx, grad_out, grad_state)[1:6]
 
 

@@ -30,10 +30,11 @@ def build_cpu_copy() -> Any:
     patched = src.replace(cuda, "return t.defined() && t.has_storage();")
     start = patched.index("bool run(const Entry& e, Operands& x) {")
     end = patched.index("\n}\n", start) + 3
+    # allocate() as the real run() does, on the CPU; the final state in the inputs' dtype (float64
+    # here, as the gradients the tests compare)
     patched = patched[:start] + """bool run(const Entry& e, Operands& x) {  // CPU copy: allocate only
-  const auto opts = at::TensorOptions().device(c10::kCPU);
-  x.out = at::empty(e.out_shape, opts.dtype(e.out_dtype));
-  if (e.need_state) x.final = at::empty(e.state_shape, opts.dtype(e.out_dtype));
+  allocate(e, x, at::TensorOptions().device(c10::kCPU));
+  if (x.final.defined()) x.final = x.final.to(e.out_dtype);
   return true;
 }
 """ + patched[end:]
@@ -46,21 +47,29 @@ def build_cpu_copy() -> Any:
     (work / "compiled_call_cpu.cpp").write_text(patched)
     ext = cpp_extension.load("rtk_compiled_call_cpu", [str(work / "compiled_call_cpu.cpp")],
                              build_directory=str(work), extra_cflags=["-O2"], with_cuda=False)
-    n_init = int(re.search(r'TORCH_CHECK\(n == (\d+), "init:', src).group(1))
-    addresses = (1,) + (0,) * (n_init - 6)  # a launch address, then any other driver addresses
-    ext.init(*addresses, compiled_call.node_backward, answers, plan, decay, compiled_call.MISS)
+    init(ext, compiled_call.node_backward)
     return ext
 
 
+def init(ext: Any, backward: Any) -> None:
+    """(Re)initialise the copy with ``backward`` as its nodes' Python backward (it forgets every
+    registered call)."""
+    src = (source_dir() / compiled_call.SOURCE).read_text()
+    n_init = int(re.search(r'TORCH_CHECK\(n == (\d+), "init:', src).group(1))
+    addresses = (1,) + (0,) * (n_init - 6)  # a launch address, then any other driver addresses
+    ext.init(*addresses, backward, answers, plan, decay, compiled_call.MISS)
+
+
 def register(ext: Any, args: tuple, out_like: torch.Tensor, state_shape: tuple = (), host_decay: Any = None,
-             grad: bool = True) -> bool:
+             grad: bool = True, temps: tuple = (), keep: int = -1) -> bool:
     """Register ``args`` (the 11 call arguments) with a program of no launches: an output like
     ``out_like``, a final state of ``state_shape`` when given, the decay tensor of ``args`` read
-    where ``host_decay`` is None; with ``grad``, a node whose backward is the Python Function's."""
+    where ``host_decay`` is None; with ``grad``, a node whose backward is the Python Function's.
+    ``temps``: the temporaries' shapes; ``keep``: the one the node hands its backward, or -1."""
     info = None
     if grad:
         info = compiled_call.NodeInfo(call_cache.GradCall("chunk", float(args[5]), args[7] == "bnhd",
                                                           bool(state_shape), args[10], host_decay, KIND_FACTOR), None)
     spec = (0, tuple(out_like.shape), torch.empty(0, dtype=out_like.dtype), bool(state_shape), state_shape,
-            host_decay is None and isinstance(args[3], torch.Tensor), [], [], -1, None, info)
+            host_decay is None and isinstance(args[3], torch.Tensor), list(temps), [], keep, None, info)
     return ext.register(args, spec)

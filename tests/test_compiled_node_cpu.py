@@ -10,7 +10,7 @@ import torch
 
 import rtkernels
 from rtkernels import compiled_call
-from compiled_cpu_copy import build_cpu_copy, register
+from compiled_cpu_copy import build_cpu_copy, init, register
 from rtkernels.decay import LogDecay
 
 B, H, N, D = 2, 3, 70, 16
@@ -136,3 +136,25 @@ def test_saved_tensor_hooks_apply_as_on_the_python_function(ext):
     assert got[1] == want[1]
     for a, b in zip(got[2], want[2]):
         assert torch.equal(a, b)
+
+
+def test_the_kept_temporary_reaches_the_backward_in_its_shape(ext):
+    """A program's temporaries are allocated in the shapes registered (a split forward's slots, as
+    Python's path allocates them), and the kept one reaches the node's backward as it is."""
+    seen = []
+
+    def spy(info, q, k, v, decay, s0, kept, *rest):
+        seen.append(None if kept is None else (tuple(kept.shape), kept.dtype))
+        return compiled_call.node_backward(info, q, k, v, decay, s0, kept, *rest)
+
+    init(ext, spy)
+    try:
+        q, k, v, _, g, _ = _inputs(5)
+        args = (q, k, v, 0.9, None, 1.0, "chunk", "bhnd", None, False, "exact")
+        slots = (3, B * H, D, D)
+        assert register(ext, args, v, host_decay=LogDecay.from_rate_or_factor(0.9, False, H, torch.device("cpu")),
+                        temps=((7,), slots), keep=1)
+        ext.call(*args).backward(g)
+        assert seen == [(slots, torch.float32)]
+    finally:
+        init(ext, compiled_call.node_backward)

@@ -58,11 +58,11 @@ struct Launch {
 
 struct Entry : c10::intrusive_ptr_target {
   std::vector<Launch> launches;
-  std::vector<int64_t> temps;        // float32 elements of each temporary
+  std::vector<std::vector<int64_t>> temps;  // the shape of each float32 temporary
   std::vector<int64_t> out_shape, state_shape;
   at::ScalarType out_dtype = at::kFloat;
   int device = 0;
-  bool need_state = false, device_decay = false, grad = false;
+  bool need_state = false, device_decay = false;
   int keep_temp = -1;                // the temporary the backward receives (the forward's states), or -1
   PyObject* owner = nullptr;         // keeps the planned launch (and the tensors it reads) alive
   PyObject* info = nullptr;          // what the Python backward needs besides the tensors
@@ -223,17 +223,21 @@ struct Operands {
   std::vector<at::Tensor> temps;
 };
 
-// Allocates the output, the final state and the temporaries and launches the program; false
-// (nothing launched) where the first launch finds no current context, which Python's path handles.
+// The output, the final state and the temporaries (float32, in the shapes Python's path gives them).
+void allocate(const Entry& e, Operands& x, const at::TensorOptions& opts) {
+  x.out = at::empty(e.out_shape, opts.dtype(e.out_dtype));
+  if (e.need_state) x.final = at::empty(e.state_shape, opts.dtype(at::kFloat));
+  for (const auto& shape : e.temps) x.temps.push_back(at::empty(shape, opts.dtype(at::kFloat)));
+}
+
+// Allocates and launches the program; false (nothing launched) where the first launch finds no
+// current context, which Python's path handles.
 bool run(const Entry& e, Operands& x) {
   auto impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
   const c10::Device dev(c10::DeviceType::CUDA, (c10::DeviceIndex)e.device);
   std::optional<c10::DeviceGuard> guard;
   if (impl->getDevice() != dev) guard.emplace(dev);
-  const auto opts = at::TensorOptions().device(dev);
-  x.out = at::empty(e.out_shape, opts.dtype(e.out_dtype));
-  if (e.need_state) x.final = at::empty(e.state_shape, opts.dtype(at::kFloat));
-  for (int64_t n : e.temps) x.temps.push_back(at::empty({n}, opts.dtype(at::kFloat)));
+  allocate(e, x, at::TensorOptions().device(dev));
   uint64_t base[SRC_TEMP0 + 8] = {};
   auto ptr = [](const at::Tensor* t) { return t && t->defined() ? (uint64_t)(uintptr_t)t->data_ptr() : 0; };
   base[SRC_Q] = ptr(x.q), base[SRC_K] = ptr(x.k), base[SRC_V] = ptr(x.v), base[SRC_OUT] = ptr(&x.out);
@@ -358,7 +362,7 @@ PyObject* call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   const at::Tensor s0 = a[8] == Py_None ? at::Tensor() : THPVariable_Unpack(a[8]);
   Operands x{&q, &k, &v, &decay, &s0, {}, {}, {}};
   const at::Tensor source = decay.defined() && decay.requires_grad() ? decay : at::Tensor();
-  if (!(e->grad ? run_with_history(e, x, source) : run(*e, x))) return Py_NewRef(g_miss);
+  if (!(e->info ? run_with_history(e, x, source) : run(*e, x))) return Py_NewRef(g_miss);
   at::Tensor out = std::move(x.out), final = std::move(x.final);
   if (a[9] != Py_True) return THPVariable_Wrap(out);
   PyObject* pair = PyTuple_New(2);
@@ -398,7 +402,11 @@ PyObject* register_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   e->need_state = PyObject_IsTrue(s[3]);
   e->state_shape = int_list(s[4]);
   e->device_decay = PyObject_IsTrue(s[5]);
-  e->temps = int_list(s[6]);
+  PyObject* temps = PySequence_Fast(s[6], "temps: a sequence of shapes");
+  if (!temps) throw python_error();
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(temps); ++i)
+    e->temps.push_back(int_list(PySequence_Fast_GET_ITEM(temps, i)));
+  Py_DECREF(temps);
   TORCH_CHECK(e->temps.size() <= 8, "register: at most 8 temporaries");
   PyObject* launches = PySequence_Fast(s[7], "launches: a sequence");
   if (!launches) throw python_error();
@@ -448,7 +456,6 @@ PyObject* register_call(PyObject*, PyObject* const* a, Py_ssize_t n) {
   TORCH_CHECK(e->keep_temp < (int)e->temps.size(), "register: keep_temp");
   e->owner = Py_NewRef(s[9]);
   e->info = s[10] == Py_None ? nullptr : Py_NewRef(s[10]);
-  e->grad = e->info != nullptr;
   if (PyErr_Occurred()) throw python_error();
   if (g_entries.size() >= MAX_ENTRIES) g_entries.clear();
   g_entries[key.bytes] = e;

@@ -4,7 +4,6 @@ call with new pointers), :func:`kernel_prepare` and :func:`kernel_forward`."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Optional
 
 import torch
@@ -201,8 +200,9 @@ class ChunkLaunch:
     def program(self, device_decay: bool) -> Optional[tuple]:
         """This call as a fixed program for the compiled entry (:mod:`rtkernels.compiled_call`):
         ``(temps, launches, keep, state_shape)``, or None where a call needs Python (packed,
-        reversed). ``temps``: float32 element counts of the per-call
-        buffers; ``launches``: :meth:`BoundLaunch.parameters` plus, per pointer slot, (source,
+        reversed). ``temps``: the shapes of the float32 per-call buffers (the slots as
+        :meth:`__call__` allocates them, so the one a training forward keeps reaches the backward
+        as Python's path hands it); ``launches``: :meth:`BoundLaunch.parameters` plus, per pointer slot, (source,
         byte offset) with sources q, k, v, out, decay, initial state, final state, constant,
         temporaries (``PROGRAM_SOURCES``); ``keep``: the temporary a training forward keeps for the
         backward (:attr:`fold`'s slots), or -1; ``state_shape``: the final state's, or None.
@@ -214,7 +214,7 @@ class ChunkLaunch:
         decay = (dp, 0) if device_decay else (const, self.decay_ptr)
         none = (const, 0)
         fused_s0, fused_fin, temps, runs, keep = (s0, 0), (fin, 0), [], [], -1
-        slots = self.slots * math.prod(self.state_shape)
+        slots = (self.slots, *self.state_shape)
         if self.states is not None and self.scan is None:  # the states pass, then the fused pass folds its slots
             temps, keep = [slots], (0 if self.fold is not None else -1)
             runs.append((self.states, ((q, 0), (k, 0), (v, 0), (out, 0), decay, (s0, 0), (t0, 0))))
