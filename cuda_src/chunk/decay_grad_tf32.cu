@@ -71,7 +71,8 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
   unsigned char* sm = smem_base + ((1024 - (rtk_smem_addr(smem_base) & 1023)) & 1023);
   const rtk_u32 base = rtk_smem_addr(sm);
   constexpr bool CWG = KMAX == 128 && !STATES;  // a causal warpgroup (the header)
-  __shared__ float red[CWG ? 12 : 8];
+  constexpr int WARPS = CWG ? 12 : 8;
+  __shared__ float red[WARPS];
   __shared__ float wtab[2][4][C];
   __shared__ float dtab[C], wconst[4];
 
@@ -202,7 +203,7 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
       rtk_wg_pin(pa);
       intra(pr, rtk_wg_desc(tile(stage, L::VT), 16, 1024), stage, 0, acci);
     }
-    rtk_dg_cta_sum<12>(scale * acci, red, out);
+    rtk_dg_cta_sum<WARPS>(scale * acci, red, out);
     return;
   }
   if (CWG) rtk_reg_alloc<200>();  // the pool is 168 a thread at launch: 2 (200 - 168) <= 168 - 96
@@ -317,6 +318,6 @@ rtk_chunk_decay_grad_tf32(const float* __restrict__ q, const float* __restrict__
     return;
   }
   // <G, W_end> belongs to the last segment; the partial sums are [segments * B, tiles, H]
-  rtk_dg_finish<1, NT, CWG ? 12 : 8>(frag, w_acc, z + 1 == nseg ? grad_state : nullptr, scale, wconst, acc1, acc2,
-                                      acci, red, out);
+  rtk_dg_finish<1, NT, WARPS>(frag, w_acc, z + 1 == nseg ? grad_state : nullptr, scale, wconst, acc1, acc2, acci,
+                              red, out);
 }

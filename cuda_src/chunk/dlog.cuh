@@ -206,8 +206,7 @@ __device__ __forceinline__ void rtk_dg_cta_sum(float val, float* red, float* out
 
 // The end of the walk: <G, W_end> over the warp's real state elements, the scale and the
 // normalisers (acc1 = sum <S, A1'>, acc2 = sum <W, A2'>, acci the intra term), then the CTA's sum
-// in a fixed order (warp shuffles, then warps 0..7 through shared memory, no atomics), written by
-// thread 0 to *out.
+// over its WARPS warps (rtk_dg_cta_sum), written by thread 0 to *out.
 template <int MT, int NT, int WARPS = 8>
 __device__ __forceinline__ void rtk_dg_finish(const rtk_chunk_state<MT, NT>& frag, const float (&w_acc)[MT][NT][4],
                                               const float* grad_state, float scale, const float* wconst, float acc1,
