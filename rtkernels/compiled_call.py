@@ -19,6 +19,8 @@ once it has passed every check.
 Building: the first cached CUDA call starts a build in a background thread with
 ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja; about 30 s, once per torch and
 source version, kept under the cache directory); calls take Python's path until it is loaded.
+One process builds a directory at a time (an ``flock``), and a build that died midway never
+blocks the next one.
 :func:`build` waits for it (``rtkernels compile`` and the GPU tests call it). ``RTKERNELS_COMPILED_CALL=0``
 turns it off. Where the build fails, :func:`status` says why and calls stay on Python's path.
 """
@@ -82,13 +84,36 @@ def _build_dir() -> str:
     return str(path)
 
 
+@contextlib.contextmanager
+def _one_builder(directory: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``directory`` for one build across processes. torch guards a
+    build directory with a lock file that a process killed mid-build leaves behind (a script that
+    exits while the background build runs), and every later build would wait on it forever; the
+    kernel drops a ``flock`` with its holder, so under ours a torch lock file is always stale."""
+    try:
+        import fcntl
+    except ImportError:  # no flock (Windows): torch's lock alone
+        yield
+        return
+    with open(os.path.join(directory, "rtk_build.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, "lock"))  # torch's, left by a builder that died
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _load() -> None:
     global module, _state, _reason, generation
     try:
         from torch.utils import cpp_extension
 
-        ext = cpp_extension.load("rtk_compiled_call", [str(source_dir() / SOURCE)], extra_cflags=["-O2"],
-                                 build_directory=_build_dir(), with_cuda=False, verbose=False)
+        directory = _build_dir()
+        with _one_builder(directory):
+            ext = cpp_extension.load("rtk_compiled_call", [str(source_dir() / SOURCE)], extra_cflags=["-O2"],
+                                     build_directory=directory, with_cuda=False, verbose=False)
         # no driver library (a CPU-only machine): loaded, but it registers nothing and misses every call
         ext.init(driver.launch_kernel_address() or 0, tensor_map.replace_address_function() or 0, node_backward,
                  answers, plan, decay, MISS)

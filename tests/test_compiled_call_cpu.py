@@ -2,7 +2,11 @@
 system compiler against this torch, misses every call it cannot serve (here: every CPU call) and
 refuses to register one; the module state its signature reads exists under the names it reads."""
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,3 +78,20 @@ def test_the_call_cache_cap_clears_the_compiled_entry_too(monkeypatch):
         call_cache.remember(("key", i), None, v, v, False)
     assert hooks == [1] and call_cache.size() == 1
     call_cache.clear()
+
+
+def test_a_build_killed_midway_does_not_block_the_next():
+    """torch.utils.cpp_extension marks a build directory with a lock file, and a process killed
+    mid-build (a short script that exits while the background build runs) leaves it behind: before
+    the fix, every later build(wait=True) in that cache waited on it forever. Here a stale lock
+    file sits in the built directory and a fresh process must still load the entry."""
+    assert compiled_call.build(wait=True), compiled_call.status()
+    lock = Path(compiled_call._build_dir()) / "lock"
+    lock.touch()
+    try:
+        code = "from rtkernels import compiled_call as c; print(c.build(wait=True), c.status())"
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
+                             env=dict(os.environ))
+    finally:
+        lock.unlink(missing_ok=True)
+    assert run.stdout.split() == ["True", "ready"], run.stderr[-2000:]
