@@ -78,7 +78,8 @@ def status() -> str:
 
 def _build_dir() -> str:
     src = (source_dir() / SOURCE).read_bytes()
-    tag = hashlib.sha256(src + torch.__version__.encode() + repr(sys.version_info).encode()).hexdigest()[:16]
+    # (+ "flock": a directory of its own, never shared with a release that built without _one_builder)
+    tag = hashlib.sha256(src + torch.__version__.encode() + repr(sys.version_info).encode() + b"flock").hexdigest()[:16]
     path = cache_dir() / "host" / tag
     path.mkdir(parents=True, exist_ok=True)
     return str(path)
