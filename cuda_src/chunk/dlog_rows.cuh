@@ -25,56 +25,29 @@
 // caller's. Each CTA writes one float to dlog_out[segment][row][tile][h].
 #pragma once
 #include "../include/copy.cuh"
-#include "../include/mma_sm80.cuh"
 #include "../include/types.cuh"
 #include "../include/wgmma_sm90.cuh"
 
 // sum over this thread's elements of x_t . (f_t acc_t), for the warp's rows t = r0 + g (factor
 // f_lo) and r0 + g + 8 (f_hi) of a chunk: acc in the mma accumulator layout (NT n-tiles of 8
 // columns), x the chunk's 16-bit x tile in shared memory, piece p of row r at element off(r, p).
-// bf16: the dots are the diagonal of acc x^T, by mma.sync (acc rounded to bf16 as the A operand,
-// the x rows as B by ldmatrix; the whole warp calls it): 2 NT tensor-core steps and 2 NT packs in
-// place of 4 NT unpacks and 4 NT FMAs, and far fewer live registers. fp16 keeps fp32 FMAs (its
-// range would flush small accumulators), and so does TC = false.
-template <int DT, bool TC = DT == RTK_BF16, int NT, class Off>
+template <int DT, int NT, class Off>
 __device__ __forceinline__ float rtk_dlog_rows(const float (&acc)[NT][4], const rtk_u16* sX, int r0, int g, int t4,
                                                float f_lo, float f_hi, Off off) {
-  if constexpr (TC) {
-    static_assert(NT % 2 == 0, "16-column k steps");
-    const int lane = 4 * g + t4, blk = lane >> 3;
-    // ldmatrix block blk: x rows r0 + 8 (blk >> 1) .., piece 2 kk + (blk & 1): {b0, b1} of rows r0..,
-    // then of rows r0 + 8..
-    const int row = r0 + (blk >> 1) * 8 + (lane & 7), half = blk & 1;
-    float d_lo[4] = {0.f, 0.f, 0.f, 0.f}, d_hi[4] = {0.f, 0.f, 0.f, 0.f};
+  float sum = 0.f;
+  #pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int t = r0 + g + 8 * hh;
+    float row = 0.f;
     #pragma unroll
-    for (int kk = 0; kk < NT / 2; ++kk) {
-      const rtk_u32 a[4] = {rtk_pack2<DT>(acc[2 * kk][0], acc[2 * kk][1]), rtk_pack2<DT>(acc[2 * kk][2], acc[2 * kk][3]),
-                            rtk_pack2<DT>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]),
-                            rtk_pack2<DT>(acc[2 * kk + 1][2], acc[2 * kk + 1][3])};
-      rtk_u32 b[4];
-      rtk_ldsm_x4(b, rtk_smem_addr(sX + off(row, 2 * kk + half)));
-      rtk_mma16816<DT>(d_lo, a, b[0], b[1]);
-      rtk_mma16816<DT>(d_hi, a, b[2], b[3]);
+    for (int nt = 0; nt < NT; ++nt) {
+      float x0, x1;
+      rtk_unpack2<DT>(*reinterpret_cast<const rtk_u32*>(sX + off(t, nt) + 2 * t4), x0, x1);
+      row = fmaf(x0, acc[nt][2 * hh], fmaf(x1, acc[nt][2 * hh + 1], row));
     }
-    // the diagonal: row g's dot at column g of d_lo (rows r0..), row g + 8's at column g of d_hi
-    const int e = g & 1;
-    return t4 == (g >> 1) ? fmaf(f_hi, e ? d_hi[3] : d_hi[2], f_lo * (e ? d_lo[1] : d_lo[0])) : 0.f;
-  } else {
-    float sum = 0.f;
-    #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int t = r0 + g + 8 * hh;
-      float row = 0.f;
-      #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        float x0, x1;
-        rtk_unpack2<DT>(*reinterpret_cast<const rtk_u32*>(sX + off(t, nt) + 2 * t4), x0, x1);
-        row = fmaf(x0, acc[nt][2 * hh], fmaf(x1, acc[nt][2 * hh + 1], row));
-      }
-      sum = fmaf(hh ? f_hi : f_lo, row, sum);
-    }
-    return sum;
+    sum = fmaf(hh ? f_hi : f_lo, row, sum);
   }
+  return sum;
 }
 
 // sum over s < t of (t - s) P_ts (x_t . v_s) over this thread's score fragments (the warp's rows

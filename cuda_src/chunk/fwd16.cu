@@ -396,9 +396,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         });
         if constexpr (DUAL_DLOG) {  // the split's edge term: q_t . o2_t' (o2' = x S^T, before P2 k joins)
           const int e = chunk == 0 && blockIdx.z == 0 ? 0 : 1;  // weight t + 1, t where the sequence ends
-          // FMAs: here the tensor-core form spilled more (ptxas 72/160 bytes against 48/52)
-          dlog_sum += rtk_dlog_rows<DT, false>(o2, sm + stage * L::STAGE + L::Q, r0, g, t4, (float)(r0 + g + e),
-                                               (float)(r0 + g + 8 + e), [](int r, int pc) { return L::qk_off(r, pc); });
+          dlog_sum += rtk_dlog_rows<DT>(o2, sm + stage * L::STAGE + L::Q, r0, g, t4, (float)(r0 + g + e),
+                                        (float)(r0 + g + 8 + e), [](int r, int pc) { return L::qk_off(r, pc); });
         }
         bool saw2 = false;
         if (!v_bad) {
