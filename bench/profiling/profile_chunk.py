@@ -7,7 +7,9 @@ CASE: mid (4,32,4096,128) bf16, long (1,32,16384,128) bf16, f32 (4,32,4096,128) 
 tf32 (same, TF32 mode), dgrad (mid bf16 forward + backward with a trainable CUDA decay: the
 dq pass that sums dlog(gamma)), dlog-f32 / dlog-tf32 (the float32 dlog(gamma) kernel alone at mid,
 "exact" / "tf32"), dq-dlog / dq-dlog16 (the W form of that dq pass alone at mid, bf16 / fp16), dq-z
-(the Z form, 128 wide, bf16: the pass a trainable step at mid runs). bench/profiling/ncu_chunk.sh runs ncu over each case and calls ``top``.
+(the Z form, 128 wide, bf16: the pass a trainable step at mid runs), dual / dual-z (the backward's
+fused dk and dv pass alone at mid, bf16: a fixed decay's, and the one that also sums the Z split's
+terms of dlog(gamma), a trainable step's). bench/profiling/ncu_chunk.sh runs ncu over each case and calls ``top``.
 """
 import csv
 import sys
@@ -17,7 +19,8 @@ CASES = {"mid": ((4, 32, 4096, 128), "bfloat16", "exact"), "long": ((1, 32, 1638
          "dgrad": ((4, 32, 4096, 128), "bfloat16", "exact"),
          "dlog-f32": ((4, 32, 4096, 128), "float32", "exact"), "dlog-tf32": ((4, 32, 4096, 128), "float32", "tf32"),
          "dq-dlog": ((4, 32, 4096, 128), "bfloat16", "exact"), "dq-dlog16": ((4, 32, 4096, 128), "float16", "exact"),
-         "dq-z": ((4, 32, 4096, 128), "bfloat16", "exact")}
+         "dq-z": ((4, 32, 4096, 128), "bfloat16", "exact"),
+         "dual": ((4, 32, 4096, 128), "bfloat16", "exact"), "dual-z": ((4, 32, 4096, 128), "bfloat16", "exact")}
 
 
 def run(case: str) -> None:
@@ -49,6 +52,19 @@ def run(case: str) -> None:
         part = decay_grad.dq_pass_partials(q, v)
         for _ in range(4):
             launch.kernel_forward(g, v, k, log_decay, 1.0, dq, None, False, dlog=(q, part, None), zsplit=case == "dq-z")
+        torch.cuda.synchronize()
+        return
+    if case.startswith("dual"):  # as gradient_passes runs it: R(k, q, g) into dv, R(v, g, q) into dk
+        from rtkernels.decay import KIND_FACTOR, LogDecay
+        from rtkernels.methods.chunk import launch
+
+        log_decay = LogDecay(q.device, raw=torch.full((h,), 0.99, device="cuda"), kind=KIND_FACTOR)
+        g, dv, dk = torch.randn_like(v), torch.empty_like(v), torch.empty_like(k)
+        z = case == "dual-z"
+        part = torch.zeros(8 * b, 1, h, device="cuda")  # [segments * B, 1, H]; mid runs one segment
+        for _ in range(4):
+            launch.kernel_forward(k, q, g, log_decay, 1.0, dv, None, False, reverse=True, dual=(v, dk),
+                                  dlog=(v, part, None) if z else None, zsplit=z)
         torch.cuda.synchronize()
         return
     if case == "dgrad":
