@@ -15,10 +15,11 @@ from ...decay import LogDecay
 from ...jit import get_function
 from ...jit.tensor_map import TensorMaps
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
-from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE, STATES_SOURCE, Launch, _sm_count,
-                   _smem_limit, aligned, current_overrides, dlog_launch, dual_launch, fold_parts, key_pieces,
-                   override, packed_launch, plan_launch, split, states_config, states_name, states_options,
-                   states_smem_bytes, states_tma, tf32_wg_planned, tuned_launch)
+from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE, STATES_SOURCE, STATES_TF32_SOURCE,
+                   TF32_WG_SOURCE, Launch, _sm_count, _smem_limit, aligned, current_overrides, dlog_launch,
+                   dual_launch, fold_parts, key_pieces, override, packed_launch, plan_launch, split, states_config,
+                   states_name, states_options, states_smem_bytes, states_tma, tf32_states_config,
+                   tf32_states_name, tf32_states_smem_bytes, tf32_wg_planned, tuned_launch)
 
 __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "pass_launcher",
            "launch_pass", "transposed_slots", "call_pieces", "kernel_final_state"]
@@ -188,9 +189,18 @@ class ChunkLaunch:
             return
         # head: q, k, v, out, log-decay, initial state, final state pointers; no packed sequences
         self.fused = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, mode_k, fold_len, *NO_EXTRAS))
-        if nseg > 1 and not fold:  # the fused kernel's states-only mode and the scan kernel
-            self.states = fn.bind(grid, block, smem, dev, FWD_POINTERS,
-                                  (*tail, seg_len, MODE_STATES, fold_len, *NO_EXTRAS))
+        if nseg > 1 and not fold:  # each segment's own state (below), then the scan kernel
+            if lp.source == TF32_WG_SOURCE and over.dedicated_states:
+                # float32 "tf32": rtk_chunk_states_tf32 (the fused kernel's states-only mode costs
+                # what its fused mode does); the last segment's state only for the final state
+                sc = tf32_states_config(dk, dv)
+                ssmem = tf32_states_smem_bytes(sc)
+                sfn = get_function(STATES_TF32_SOURCE, tf32_states_name(sc), dev, dynamic_smem=ssmem)
+                self.states = sfn.bind((bh, -(-dv // sc[1]), nseg if need_state else nseg - 1), block, ssmem, dev,
+                                       FWD_POINTERS, (*tail, seg_len, MODE_STATES, fold_len, *NO_EXTRAS))
+            else:  # the fused kernel's states-only mode
+                self.states = fn.bind(grid, block, smem, dev, FWD_POINTERS,
+                                      (*tail, seg_len, MODE_STATES, fold_len, *NO_EXTRAS))
             total = bh * dk * dv
             # head: segment states, entering states, initial state, final state, log-decay pointers
             self.scan = get_function(SEG_SCAN_SOURCE, "rtk_chunk_seg_scan", dev).bind(
@@ -300,8 +310,9 @@ def kernel_final_state(k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
                        fp32_precision: str = "exact", reverse: bool = False) -> Optional[torch.Tensor]:
     """``sum_t gamma^(N-1-t) k_t^T v_t``, the state ``[B, H, Dk, Dv]`` (fp32) that a sequence of
     ``[B, H, N, D]`` views k, v (unit last stride) reaches from zero, without any output: the split
-    strategy's first two kernels, the fused kernel's states-only mode (each segment's own state;
-    it reads neither q nor the output, so k and v stand in for them) and the segment scan, whose
+    strategy's first two kernels, the fused kernel's states-only mode (float32 "tf32" on wgmma:
+    ``rtk_chunk_states_tf32``; each segment's own state; neither reads q or the output, so k and v
+    stand in for them) and the segment scan, whose
     final state this is; with ``reverse``, of the reversed sequence: ``sum_t gamma^t k_t^T v_t``.
     Reads k and v once; O(N Dk Dv). None where the plan does not split the sequence into segments
     or splits the keys (then there is no such pass to run alone). The plan is kept by call
@@ -319,7 +330,9 @@ def kernel_final_state(k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
     else:
         lc = None
         if call_pieces(k.dtype, b * h, n, dk, dv, k.device.index)[0] is None:
-            with override(dedicated_states=False):  # the states-only mode and the scan, not the states kernel and a fold
+            # 16-bit: the states-only mode and the scan, not the states kernel and a fold (float32
+            # never folds; its "tf32" wgmma plan keeps rtk_chunk_states_tf32)
+            with override(dedicated_states=k.dtype == torch.float32 and current_overrides().dedicated_states):
                 lc = ChunkLaunch(k, k, v, log_decay, 1.0, v, True, reverse, fp32_precision=fp32_precision)
             if lc.scan is None:
                 lc = None

@@ -25,6 +25,7 @@ FWD16_SOURCE = "chunk/fwd16.cu"
 F32_SOURCE = "chunk/fwd_f32.cu"
 TF32_WG_SOURCE = "chunk/fwd_tf32.cu"
 STATES_SOURCE = "chunk/states.cu"
+STATES_TF32_SOURCE = "chunk/states_tf32.cu"
 SEG_SCAN_SOURCE = "chunk/seg_scan.cu"
 #: Largest Dk the kernels take (the contraction of q . k and the state rows a CTA holds).
 MAX_DIM = 256
@@ -267,6 +268,25 @@ def tf32_wg_smem_bytes(kmax: int, bv: int) -> int:
     return 4 * (2 * (2 * c * kmax + bv * c) + 2 * bv * kmax) + 8 + 1024
 
 
+def tf32_states_config(dk: int, dv: int) -> tuple[int, int, int]:
+    """(KMAX, BV, STAGES) of ``rtk_chunk_states_tf32`` (``cuda_src/chunk/states_tf32.cu``), the
+    states pass of float32's split sequence in the "tf32" mode where ``rtk_chunk_fwd_tf32`` runs:
+    KMAX as the fused pass's, BV 128 (k read once for up to 128 value columns; the pass is bound by
+    its loads) or 64 for Dv <= 64, three chunk stages (as :func:`states_config` for 16-bit)."""
+    return _kmax(dk), 64 if dv <= 64 else 128, 3
+
+
+def tf32_states_name(config: tuple[int, int, int]) -> str:
+    return "rtk_chunk_states_tf32<" + ", ".join(map(str, config)) + ">"
+
+
+def tf32_states_smem_bytes(config: tuple[int, int, int]) -> int:
+    """Dynamic shared memory of ``rtk_chunk_states_tf32`` (mirrors rtk_states_tf32_smem): per stage
+    a chunk of k and of v rows, fp32, each row padded by 8 floats."""
+    kmax, bv, stages = config
+    return 4 * stages * CHUNK_KERNEL * ((kmax + 8) + (bv + 8))
+
+
 def config_smem(config: tuple) -> int:
     """Dynamic shared memory of a :func:`kernel_config` template, any of the three kernels."""
     if _is_tf32_wg(config):
@@ -383,7 +403,8 @@ class Overrides:
     also leaves the wgmma kernel); otherwise their BV follows the shared memory. ``dedicated_states``: the
     split-sequence strategy of 16-bit inputs, the states kernel ``rtk_chunk_states`` plus a fused
     pass folding its slots (True), or the fused kernel's states-only mode, ``rtk_chunk_seg_scan``
-    and the fused pass (False; float32 always takes the latter). ``key_pieces``: 16-bit inputs with
+    and the fused pass (False; float32 never folds: in the "tf32" mode on the wgmma kernel True
+    gives ``rtk_chunk_states_tf32`` for the first pass, elsewhere float32 takes the states-only mode). ``key_pieces``: 16-bit inputs with
     Dk > :data:`KEY_PIECE` on the wgmma kernel as pieces of key columns (True, where wgmma runs),
     or the Dk-256 mma.sync kernel in one pass (False); None: the tuned config, else pieces where
     wgmma runs. ``stages``: chunk stages of q/k/v tiles of the wgmma kernel (2 or 3; 3 only where
@@ -799,4 +820,6 @@ def instances() -> dict[str, list[str]]:
     fwd: dict[str, list[str]] = {FWD16_SOURCE: [], F32_SOURCE: [], TF32_WG_SOURCE: []}
     for c in all_configs():
         fwd[_launch_of(c, 1).source].append(name_expression(c))
-    return {**fwd, STATES_SOURCE: sorted(states_name(c) for c in _states_configs()), SEG_SCAN_SOURCE: ["rtk_chunk_seg_scan"]}
+    tf32_states = sorted({tf32_states_name(tf32_states_config(dk, dv)) for dk in (64, 128) for dv in (64, 128)})
+    return {**fwd, STATES_SOURCE: sorted(states_name(c) for c in _states_configs()), STATES_TF32_SOURCE: tf32_states,
+            SEG_SCAN_SOURCE: ["rtk_chunk_seg_scan"]}
