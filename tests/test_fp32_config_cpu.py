@@ -224,6 +224,22 @@ def test_tf32_wgmma_kernel_fits_and_is_compiled():
     assert sorted(kernel_instances()[chunk.TF32_WG_SOURCE]) == ["rtk_chunk_fwd_tf32<128, 64>", "rtk_chunk_fwd_tf32<64, 64>"]
 
 
+def test_tf32_states_pass_fits_and_is_compiled():
+    """rtk_chunk_states_tf32 (the first pass of the "tf32" wgmma plan's split sequence): KMAX as
+    the fused pass's, BV 64 for Dv <= 64 else 128, three stages of k and v rows padded by 8 floats,
+    within an H100's 227 KB; every instance the plan can ask for is in the compile test's list."""
+    from rtkernels.methods.chunk import plan
+
+    assert plan.tf32_states_config(128, 128) == (128, 128, 3) and plan.tf32_states_config(40, 64) == (64, 64, 3)
+    assert plan.tf32_states_config(96, 200) == (128, 128, 3)
+    assert plan.tf32_states_smem_bytes((128, 128, 3)) == 4 * 3 * 64 * (136 + 136) == 208896 <= 227 * 1024
+    listed = kernel_instances()[plan.STATES_TF32_SOURCE]
+    for dk in (1, 40, 64, 65, 128):
+        for dv in (33, 64, 65, 128, 512):
+            assert plan.tf32_states_name(plan.tf32_states_config(dk, dv)) in listed
+    assert len(listed) == 4
+
+
 def test_planner_overrides_for_fp32(fake_gpu, monkeypatch):
     # the exact mode (and unaligned rows) have no wgmma variant (wgmma ignored), and BV follows the shared
     # memory (bv ignored)

@@ -142,6 +142,43 @@ def test_fp32_state_in_and_out(mode, segments, monkeypatch):
     _check(s2, ref_state, mode, "two-piece state")
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=("forward", "reversed"))
+@pytest.mark.parametrize("shape", [(1, 2, 1000, 128, 128), (2, 3, 777, 48, 80), (1, 2, 1500, 64, 200)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_tf32_states_pass_dedicated_or_fused(shape, reverse, monkeypatch):
+    """float32 "tf32" split in 3 segments (on Hopper rtk_chunk_fwd_tf32): its first pass by
+    rtk_chunk_states_tf32 (the plan's) and by the fused kernel's states-only mode
+    (dedicated_states=False) each give the fp64 output and final state, with an initial state and
+    gamma 0.9 / 0.99 / 0.999 among the heads, and agree with each other to the TF32 bound; the
+    states pass alone (launch.kernel_final_state, forward and reversed) gives the fp64 state of
+    the sequence from zero, with no host sync."""
+    from rtkernels.decay import KIND_FACTOR, LogDecay
+    from rtkernels.methods.chunk.launch import kernel_final_state
+
+    from inputs import no_host_sync
+
+    b, h, n, dk, dv = shape
+    q, k, v = _inputs(b, h, n, dk, dv, seed=4)
+    gammas = torch.tensor([0.9, 0.99, 0.999][:h], dtype=torch.float64)
+    s0 = torch.randn(b, h, dk, dv, device="cuda") / 4
+    ref, ref_state = reference(q, k, v, gammas, initial_state=s0)
+    got = {}
+    for dedicated in (True, False):
+        force_chunk(monkeypatch, segments=3, dedicated_states=dedicated)
+        out, state = rtkernels.causal_linear_attention(q, k, v, gammas.float().cuda(), method="chunk",
+                                                       initial_state=s0, return_state=True, fp32_precision="tf32")
+        _check(out, ref, "tf32", f"{shape} dedicated={dedicated} output")
+        _check(state, ref_state, "tf32", f"{shape} dedicated={dedicated} state")
+        got[dedicated] = out
+    _check(got[True], got[False].double(), "tf32", f"{shape} the two states passes")
+    force_chunk(monkeypatch, segments=3)
+    log_decay = LogDecay(torch.device("cuda"), raw=gammas.float().cuda(), kind=KIND_FACTOR)
+    with no_host_sync():
+        alone = kernel_final_state(k, v, log_decay, fp32_precision="tf32", reverse=reverse)
+    kr, vr = (x.flip(2) if reverse else x for x in (k, v))
+    _check(alone, reference(kr, kr, vr, gammas)[1], "tf32", f"{shape} final state alone reverse={reverse}")
+
+
 # NaN bit patterns, as int32: the quiet NaN torch writes, and a negative one with every payload bit
 # set, which an integer rounding that adds half an ulp would turn into +0 (the kernels' TF32
 # roundings must keep both NaN)

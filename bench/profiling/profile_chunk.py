@@ -9,7 +9,8 @@ dq pass that sums dlog(gamma)), dlog-f32 / dlog-tf32 (the float32 dlog(gamma) ke
 "exact" / "tf32"), dq-dlog / dq-dlog16 (the W form of that dq pass alone at mid, bf16 / fp16), dq-z
 (the Z form, 128 wide, bf16: the pass a trainable step at mid runs), dual / dual-z (the backward's
 fused dk and dv pass alone at mid, bf16: a fixed decay's, and the one that also sums the Z split's
-terms of dlog(gamma), a trainable step's). bench/profiling/ncu_chunk.sh runs ncu over each case and calls ``top``.
+terms of dlog(gamma), a trainable step's), tf32-long (1,32,16384,128) float32 "tf32": its split sequence
+(rtk_chunk_states_tf32, the scan, the fused pass). bench/profiling/ncu_chunk.sh runs ncu over each case and calls ``top``.
 """
 import csv
 import sys
@@ -20,7 +21,8 @@ CASES = {"mid": ((4, 32, 4096, 128), "bfloat16", "exact"), "long": ((1, 32, 1638
          "dlog-f32": ((4, 32, 4096, 128), "float32", "exact"), "dlog-tf32": ((4, 32, 4096, 128), "float32", "tf32"),
          "dq-dlog": ((4, 32, 4096, 128), "bfloat16", "exact"), "dq-dlog16": ((4, 32, 4096, 128), "float16", "exact"),
          "dq-z": ((4, 32, 4096, 128), "bfloat16", "exact"),
-         "dual": ((4, 32, 4096, 128), "bfloat16", "exact"), "dual-z": ((4, 32, 4096, 128), "bfloat16", "exact")}
+         "dual": ((4, 32, 4096, 128), "bfloat16", "exact"), "dual-z": ((4, 32, 4096, 128), "bfloat16", "exact"),
+         "tf32-long": ((1, 32, 16384, 128), "float32", "tf32")}
 
 
 def run(case: str) -> None:
