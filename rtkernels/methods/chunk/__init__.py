@@ -29,7 +29,9 @@ and its tile (BV, stages) follows the GPU's shared memory. On Hopper the ``"tf32
 ``rtk_chunk_fwd_tf32`` (``chunk/fwd_tf32.cu``, wgmma) instead where rows are 16-byte aligned and
 Dk <= 128 and Dv > 32 (:func:`.plan.tf32_wg_config`): the same arguments and modes, v stored
 transposed in shared memory (wgmma reads TF32 operands K-major only), its sequence split by
-:func:`.plan.tf32_wg_segments` (:func:`.plan.tf32_wg_planned` says where it runs). fp64 inputs run
+:func:`.plan.tf32_wg_segments` (:func:`.plan.tf32_wg_planned` says where it runs), the split's
+first pass by ``rtk_chunk_states_tf32`` (``chunk/states_tf32.cu``, :func:`.plan.tf32_states_config`).
+fp64 inputs run
 the torch path.
 
 The package: :mod:`.torch_path` (the torch path), :mod:`.plan` (instances, tiles, heuristics,
