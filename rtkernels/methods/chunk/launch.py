@@ -196,8 +196,8 @@ class ChunkLaunch:
                 sc = tf32_states_config(dk, dv)
                 ssmem = tf32_states_smem_bytes(sc)
                 sfn = get_function(STATES_TF32_SOURCE, tf32_states_name(sc), dev, dynamic_smem=ssmem)
-                self.states = sfn.bind((bh, -(-dv // sc[1]), nseg if need_state else nseg - 1), block, ssmem, dev,
-                                       FWD_POINTERS, (*tail, seg_len, MODE_STATES, fold_len, *NO_EXTRAS))
+                self.states = sfn.bind((bh, -(-dv // sc[1]), nseg if need_state else nseg - 1), (256, 1, 1), ssmem,
+                                       dev, FWD_POINTERS, (*tail, seg_len, MODE_STATES, fold_len, *NO_EXTRAS))
             else:  # the fused kernel's states-only mode
                 self.states = fn.bind(grid, block, smem, dev, FWD_POINTERS,
                                       (*tail, seg_len, MODE_STATES, fold_len, *NO_EXTRAS))
