@@ -312,8 +312,7 @@ def kernel_final_state(k: torch.Tensor, v: torch.Tensor, log_decay: "LogDecay",
     ``[B, H, N, D]`` views k, v (unit last stride) reaches from zero, without any output: the split
     strategy's first two kernels, the fused kernel's states-only mode (float32 "tf32" on wgmma:
     ``rtk_chunk_states_tf32``; each segment's own state; neither reads q or the output, so k and v
-    stand in for them) and the segment scan, whose
-    final state this is; with ``reverse``, of the reversed sequence: ``sum_t gamma^t k_t^T v_t``.
+    stand in for them) and the segment scan, whose final state this is; with ``reverse``, of the reversed sequence: ``sum_t gamma^t k_t^T v_t``.
     Reads k and v once; O(N Dk Dv). None where the plan does not split the sequence into segments
     or splits the keys (then there is no such pass to run alone). The plan is kept by call
     signature (shapes, strides, dtypes, device, 16-byte alignment, the decay's kernel mode, the

@@ -271,8 +271,9 @@ def tf32_wg_smem_bytes(kmax: int, bv: int) -> int:
 def tf32_states_config(dk: int, dv: int) -> tuple[int, int, int]:
     """(KMAX, BV, STAGES) of ``rtk_chunk_states_tf32`` (``cuda_src/chunk/states_tf32.cu``), the
     states pass of float32's split sequence in the "tf32" mode where ``rtk_chunk_fwd_tf32`` runs:
-    KMAX as the fused pass's, BV 128 (k read once for up to 128 value columns; the pass is bound by
-    its loads) or 64 for Dv <= 64, three chunk stages (as :func:`states_config` for 16-bit)."""
+    KMAX as the fused pass's, BV 128 (k read once for up to 128 value columns) or 64 for Dv <= 64,
+    three chunk stages (as :func:`states_config` for 16-bit; they fit Hopper's shared memory, the
+    only GPU the wgmma plan runs on)."""
     return _kmax(dk), 64 if dv <= 64 else 128, 3
 
 
@@ -404,7 +405,8 @@ class Overrides:
     split-sequence strategy of 16-bit inputs, the states kernel ``rtk_chunk_states`` plus a fused
     pass folding its slots (True), or the fused kernel's states-only mode, ``rtk_chunk_seg_scan``
     and the fused pass (False; float32 never folds: in the "tf32" mode on the wgmma kernel True
-    gives ``rtk_chunk_states_tf32`` for the first pass, elsewhere float32 takes the states-only mode). ``key_pieces``: 16-bit inputs with
+    gives ``rtk_chunk_states_tf32`` for the first pass, elsewhere float32 takes the states-only
+    mode). ``key_pieces``: 16-bit inputs with
     Dk > :data:`KEY_PIECE` on the wgmma kernel as pieces of key columns (True, where wgmma runs),
     or the Dk-256 mma.sync kernel in one pass (False); None: the tuned config, else pieces where
     wgmma runs. ``stages``: chunk stages of q/k/v tiles of the wgmma kernel (2 or 3; 3 only where
