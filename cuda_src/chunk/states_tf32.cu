@@ -21,6 +21,7 @@
 #include "../include/state_frag.cuh"
 #include "../include/tf32.cuh"
 #include "cta.cuh"
+#include "loader.cuh"
 #include "modes.cuh"
 
 template <int KMAX, int BV, int STAGES>
@@ -46,24 +47,15 @@ rtk_chunk_states_tf32(RTK_FWD_POINTERS(float), const __grid_constant__ rtk_chunk
   (void)out_warp; (void)kt_used; (void)ovec_full; (void)out_scale; (void)lane;
   const int sr0 = (warp & 1) * (KMAX / 2), c0 = (warp >> 1) * (BV / 4);  // the warp's rows and columns
 
-  // 16-byte pieces: thread tid copies pieces tid + 256 u of the chunk's k rows (KMAX / 4 a row)
-  // and of its v rows (BV / 4), zeros past the chunk's tokens, Dk and the tile's columns
+  // every thread loads: 16-byte pieces of the chunk's k and v rows, zeros past the chunk's tokens,
+  // Dk and the tile's columns
+  typedef rtk_chunk_loader<float, KMAX, BV, 256> LD;
+  const LD ld(tid, Dk, dv_here, kb, kb, vb, k_sn, k_sn, v_sn);
   auto load_chunk = [&](int chunk, int stage) {
     float* sk = smf + stage * L::STAGE + L::K;
     float* sv = smf + stage * L::STAGE + L::V;
-    const int n0 = chunk * C;
-    #pragma unroll
-    for (int u = 0; u < C * KMAX / 1024; ++u) {
-      const int e = tid + 256 * u, r = e / (KMAX / 4), c = 4 * (e % (KMAX / 4));
-      const int bytes = n0 + r < NS ? max(0, min(16, 4 * (Dk - c))) : 0;
-      rtk_cp_async16(rtk_smem_addr(sk + r * KS + c), bytes ? (const void*)(kb + (rtk_i64)(n0 + r) * k_sn + c) : kb, bytes);
-    }
-    #pragma unroll
-    for (int u = 0; u < C * BV / 1024; ++u) {
-      const int e = tid + 256 * u, r = e / (BV / 4), c = 4 * (e % (BV / 4));
-      const int bytes = n0 + r < NS ? max(0, min(16, 4 * (dv_here - c))) : 0;
-      rtk_cp_async16(rtk_smem_addr(sv + r * VS + c), bytes ? (const void*)(vb + (rtk_i64)(n0 + r) * v_sn + c) : vb, bytes);
-    }
+    ld.template copy<C, KS, VS>(0u, rtk_smem_addr(sk + ld.qrow * KS + ld.qcol),
+                                rtk_smem_addr(sv + ld.vrow * VS + ld.vcol), chunk * C, NS, false);
   };
 
   const rtk_chunk_state<MT, NT, 16> sf = {sr0, g, t4, bh, Dk, Dv, v0 + c0, dv_here - c0, state_slot};
