@@ -1,6 +1,7 @@
 """Both kernels of ``chunk`` on the GPU (marker ``gpu``): the mma.sync kernel every GPU runs and, on
 compute capability 9.0, the wgmma kernel with each value-tile width and two or three tile stages,
-forced past the heuristic.
+forced past the heuristic, with its tiles and output rows by tensor copies (the TMA instance, where
+the plan has one: aligned rows at the plan's stages) and by cp.async and row copies.
 The shared tests of test_gpu_methods.py run once per kernel variant here."""
 
 import pytest
@@ -13,18 +14,59 @@ import test_gpu_methods as base
 
 pytestmark = pytest.mark.gpu
 
-#: name -> (wgmma, BV, tile stages)
-VARIANTS = {"mma": (False, None, None), "wgmma-bv64": (True, 64, 2), "wgmma-bv128": (True, 128, 2),
-            "wgmma-bv64-stages3": (True, 64, 3), "wgmma-bv128-stages3": (True, 128, 3)}
+#: name -> (wgmma, BV, tile stages, TMA instance where there is one)
+VARIANTS = {"mma": (False, None, None, True), "wgmma-bv64": (True, 64, 2, True), "wgmma-bv128": (True, 128, 2, True),
+            "wgmma-bv64-stages3": (True, 64, 3, True), "wgmma-bv128-stages3": (True, 128, 3, True),
+            "wgmma-bv128-cp-async": (True, 128, 2, False), "wgmma-bv64-stages3-cp-async": (True, 64, 3, False)}
 
 
 @pytest.fixture(params=sorted(VARIANTS))
 def variant(request, monkeypatch):
-    wg, bv, stages = VARIANTS[request.param]
+    wg, bv, stages, tma = VARIANTS[request.param]
     if wg and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the wgmma kernel runs on compute capability 9.0 only")
-    force_chunk(monkeypatch, wgmma=wg, bv=bv, stages=stages)
+    force_chunk(monkeypatch, wgmma=wg, bv=bv, stages=stages, tma_io=tma)
     return request.param
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 3, 300, 96, 80), (1, 2, 1000, 128, 128), (1, 1, 65, 64, 64),
+                                   (2, 2, 4096, 128, 200), (1, 3, 777, 40, 128)], ids=lambda s: "x".join(map(str, s)))
+def test_tma_instance_equals_cp_async(shape, dtype, segments, monkeypatch):
+    """The forward's TMA instance (tiles by tensor copies on mbarriers, rows by tensor stores) takes
+    the plan's aligned wgmma shapes and gives the cp.async instance's bits: a partial last chunk,
+    Dk < KMAX, a partial value tile (Dv 80, 200), split segments folding their slots, an initial and
+    a final state, no host sync; and agrees with fp64 at gamma 0.9 and 0.99 (fp16)."""
+    from inputs import no_host_sync
+    from reference import reference
+
+    from rtkernels.methods.chunk import launch
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("tensor copies and wgmma: compute capability 9.0 only")
+    b, h, n, dk, dv = shape
+    g = torch.Generator(device="cuda").manual_seed(n + dk)
+    q, k = (torch.randn(b, h, n, dk, device="cuda", generator=g).to(dtype) / dk ** 0.5 for _ in range(2))
+    v = torch.randn(b, h, n, dv, device="cuda", generator=g).to(dtype)
+    s0 = torch.randn(b, h, dk, dv, device="cuda", generator=g)
+    gammas = torch.tensor([0.9, 0.99, 0.999][:h], device="cuda")
+    chosen = []
+    real = launch.tma_variant
+    monkeypatch.setattr(launch, "tma_variant", lambda name: chosen.append(real(name)) or real(name))
+    got = {}
+    for tma in (True, False):
+        force_chunk(monkeypatch, segments=segments, tma_io=tma)
+        rtkernels.causal_linear_attention(q, k, v, gammas, method="chunk", initial_state=s0, return_state=True)
+        with no_host_sync():
+            got[tma] = rtkernels.causal_linear_attention(q, k, v, gammas, method="chunk", initial_state=s0,
+                                                         return_state=True)
+    assert chosen and all(c is not None and c[0].endswith("true>") for c in chosen), chosen
+    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+    ref_o, ref_s = reference(q, k, v, gammas.double(), initial_state=s0.double())
+    err = (got[True][0].double() - ref_o).norm() / ref_o.norm()
+    assert err < (3e-3 if dtype == torch.float16 else 2e-2), err
+    assert (got[True][1].double() - ref_s).norm() / ref_s.norm() < 1e-2
 
 
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])

@@ -55,9 +55,26 @@ def test_dlog_and_mma_instances_keep_two_stages():
              if len(c) == 8 and c[0] != plan.dtype_code(torch.float32)]  # (float32's eighth: WG)
     assert names and all(", true, 1, true, false, 3>" in n for n in names)
     # the fused dk + dv instances (ninth argument) keep two stages too, with and without the Z split's sums
-    dual = [plan.name_expression(c) for c in plan.all_configs() if len(c) > 8]
+    dual = [plan.name_expression(c) for c in plan.all_configs() if len(c) == 9]
     assert len(dual) == 16 and all(n.endswith((", true, 1, true, false, 2, true>", ", true, 1, true, 2, 2, true>"))
                                    for n in dual)
+
+
+def test_tma_instances_are_the_plain_aligned_wgmma_ones_at_their_default_stages():
+    """Each plain wgmma instance on aligned rows at the stages the plan gives it has a TMA twin (tenth
+    argument), with the same shared memory plus an mbarrier per stage; no other instance has one."""
+    tma = [c for c in plan.all_configs() if len(c) == 10]
+    assert len(tma) == 8 and all(c[9] and c[3] and c[5] and c[6] is False and c[8] is False for c in tma)
+    assert plan.tma_variant("rtk_chunk_fwd<2, 128, 128, true, 1, true>") == (
+        "rtk_chunk_fwd<2, 128, 128, true, 1, true, false, 2, false, true>",
+        plan.config_smem((2, 128, 128, True, 1, True)) + 16)
+    assert plan.tma_variant("rtk_chunk_fwd<2, 128, 64, true, 1, true, false, 3>")[0].endswith("false, 3, false, true>")
+    for name in ("rtk_chunk_fwd<2, 128, 128, true, 1, true, false, 3>",  # not the plan's stages for bf16 BV 128
+                 "rtk_chunk_fwd<2, 128, 128, false, 1, true>",  # unaligned rows
+                 "rtk_chunk_fwd<2, 128, 64, true, 1, true, 2>",  # the dlog dq pass
+                 "rtk_chunk_fwd<2, 128, 128, true, 1, true, false, 2, true>"):  # the fused dk/dv pass
+        assert plan.tma_variant(name) is None, name
+    assert all(plan.config_smem(c) <= plan.SMEM_LIMIT_SM90 for c in tma)
 
 
 def test_states_pass_stages():

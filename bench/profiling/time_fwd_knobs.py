@@ -3,7 +3,7 @@ decay a float32 CUDA tensor), rounds alternating between the configs so that the
 touches all alike; every config's output must be the same values as the default's up to the
 rounding of its own state copy.
 
-    python bench/profiling/time_fwd_knobs.py [SHAPE ...]    (small, mid, long, d64; default mid)
+    python bench/profiling/time_fwd_knobs.py [--tma] [SHAPE ...]    (small, mid, long, d64; default mid)
 """
 import math
 import statistics
@@ -17,8 +17,11 @@ from rtkernels.methods import chunk
 
 SHAPES = {"small": (2, 32, 1024, 128), "mid": (4, 32, 4096, 128), "long": (1, 32, 16384, 128),
           "d64": (8, 16, 2048, 64)}
-KNOBS = {"default": {}, "stages 3": {"stages": 3}, "stages 2": {"stages": 2}, "bv 64": {"bv": 64},
-         "bv 64, stages 2": {"bv": 64, "stages": 2}, "segments 2": {"segments": 2}}
+KNOBS = {"default": {}, "cp.async and row copies": {"tma_io": False}, "stages 3": {"stages": 3},
+         "bv 64": {"bv": 64}, "segments 2": {"segments": 2}}
+if "--tma" in sys.argv:  # the TMA instance against the cp.async one only
+    sys.argv.remove("--tma")
+    KNOBS = {k: KNOBS[k] for k in ("default", "cp.async and row copies")}
 dev = torch.device("cuda")
 bw = copy_bandwidth(dev, 1 << 30)
 print(f"{torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s")
@@ -36,7 +39,7 @@ for name in sys.argv[1:] or ["mid"]:
     for kn, ch in KNOBS.items():
         with chunk.override(**ch):
             outs[kn] = fwd().float()
-    for _ in range(4):
+    for _ in range(6):
         for kn, ch in KNOBS.items():
             with chunk.override(**ch):
                 times[kn].append(graph_replay_ms(fwd, reps=20))

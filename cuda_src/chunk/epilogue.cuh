@@ -123,3 +123,44 @@ __device__ __forceinline__ void rtk_chunk_send_rows(typename rtk_io<DT>::T* ob, 
     rtk_bulk_store(ob + ((rtk_i64)n0 + t) * o_sn + v0, stage + 2 * t * OS, NT * 8 * (int)sizeof(typename rtk_io<DT>::T));
   rtk_bulk_commit();
 }
+
+// Whether any of COUNT 16-byte pieces of a tile in shared memory, piece `piece` of rows row,
+// row + STEP, .. (element offsets off(row, piece)), holds an Inf/NaN.
+template <int DT, int COUNT, int STEP, typename Off>
+__device__ __forceinline__ bool rtk_pieces_nonfinite(const rtk_u16* tile, int row, int piece, Off off) {
+  bool bad = false;
+  #pragma unroll
+  for (int u = 0; u < COUNT; ++u) {
+    const uint4 x = *reinterpret_cast<const uint4*>(tile + off(row + u * STEP, piece));
+    bad |= rtk_nonfinite2<DT>(x.x) | rtk_nonfinite2<DT>(x.y) | rtk_nonfinite2<DT>(x.z) | rtk_nonfinite2<DT>(x.w);
+  }
+  return bad;
+}
+
+// As rtk_chunk_send_rows through a tensor map (sm_90+, the TMA instances): the warp puts its 16
+// rows into its region of buffer `stage` as boxes of 16 rows x 64 columns in the 128-byte swizzle
+// (stmatrix rows then fall on distinct banks, and the region is what the map's box reads), and
+// lane 0 stores each box at element coordinates (c0 + 64 i, row, c2, c3). The copy engine drops
+// what lies outside the tensor (rows past N, columns past Dv), so partial chunks and tiles need no
+// test. Buffers and groups as in rtk_chunk_send_rows (the groups are lane 0's).
+template <int DT, int NT, int NBUF = 2>
+__device__ __forceinline__ void rtk_chunk_send_box(const rtk_tmap* map, const float (&o_acc)[NT][4], rtk_u32 stage,
+                                                   int lane, int c0, int row, int c2, int c3) {
+  static_assert(NT % 8 == 0, "whole 64-column boxes");
+  rtk_bulk_wait_read<NBUF - 1>();
+  __syncwarp();
+  const int m = lane >> 3, rr = (m & 1) * 8 + (lane & 7);  // matrix m: rows 8 (m & 1) .., n-tile 2 np + (m >> 1)
+  #pragma unroll
+  for (int np = 0; np < NT / 2; ++np)
+    rtk_stsm_x4(stage + (np >> 2) * 2048 + rtk_swizzle128(rr, 2 * (np & 3) + (m >> 1)),
+                rtk_pack2<DT>(o_acc[2 * np][0], o_acc[2 * np][1]), rtk_pack2<DT>(o_acc[2 * np][2], o_acc[2 * np][3]),
+                rtk_pack2<DT>(o_acc[2 * np + 1][0], o_acc[2 * np + 1][1]),
+                rtk_pack2<DT>(o_acc[2 * np + 1][2], o_acc[2 * np + 1][3]));
+  rtk_fence_proxy_async();  // these writes before the async proxy's reads
+  __syncwarp();
+  if (lane == 0) {
+    #pragma unroll
+    for (int i = 0; i < NT / 8; ++i) rtk_tensor_store4(map, c0 + 64 * i, row, c2, c3, stage + i * 2048);
+  }
+  rtk_bulk_commit();
+}

@@ -2,26 +2,18 @@
 // (mma.sync m16n8k16; with WG on sm_90a the output warps use wgmma).
 //
 // One CTA of 8 warps per (batch*head, tile of BV value columns) walks the sequence in chunks of
-// C = 64 tokens. With S the KMAX x BV state slice entering a chunk of len <= C tokens (local
-// index t):
-//
+// C = 64 tokens. With S the KMAX x BV state slice entering a chunk of len <= C tokens (index t):
 //   o_t = scale * ( gamma^(t+1) q_t S  +  sum_{s<=t} gamma^(t-s) (q_t . k_s) v_s )
 //   S   = gamma^len S + sum_s gamma^(len-1-s) k_s^T v_s
+// Output warps 0..3 each own 16 rows t of the chunk; state warps 4..7 own KMAX/4 rows of S each,
+// in fp32 registers, and publish a 16-bit copy of S in shared memory as the operand of q_t S. The
+// groups meet at one barrier per chunk: tiles and state copy are double-buffered, so the state
+// warps load chunk c + 1 and write the copy of S entering it while the output warps compute c.
 //
-// The warps specialise. Output warps 0..3 each own 16 rows t of the chunk; state warps 4..7 each
-// own KMAX/4 rows of S, in fp32 registers, and publish a 16-bit copy of S in shared memory as
-// the operand of q_t S. Both groups work on the same chunk at the same time and meet at one
-// barrier per chunk: the q/k/v tiles (cp.async) and the state copy are double-buffered, so the
-// state warps load chunk c + 1 and write the copy of S entering it while the output warps
-// compute chunk c.
-//
-// Only non-negative powers of gamma are formed (no overflow for any gamma in (0, 1], any N).
-// For an output warp whose rows start at r0 the decay is factored as
-//   gamma^(t-s) = gamma^(t-r0) * gamma^(r0-s)         (s < r0: every key left of the warp's rows)
-// and the 16 x 16 diagonal block uses gamma^(t-s) directly, with the causal mask as a select.
-// For fp16 the state copy is scaled by a power of two chosen from max|S| so it cannot overflow.
-//
-// NaN in, NaN out: see rtk_chunk_mark_nonfinite (chunk/epilogue.cuh).
+// Only non-negative powers of gamma are formed (no overflow for any gamma in (0, 1], any N): an
+// output warp whose rows start at r0 factors gamma^(t-s) = gamma^(t-r0) * gamma^(r0-s) for s < r0,
+// and its 16 x 16 diagonal block uses gamma^(t-s) with the causal mask as a select. fp16's state
+// copy is scaled by a power of two chosen from max|S|. NaN in, NaN out: rtk_chunk_mark_nonfinite.
 //
 // DUAL (the backward's dk and dv passes fused: q = k of the forward, k = its q, v = dL/do, x = its v,
 // read with v's strides; wgmma, one value tile holding all of Dv): after the chunk's rows of o (dv)
@@ -51,18 +43,24 @@
 #include "modes.cuh"
 #include "products.cuh"
 
-// MINB: CTAs per SM the register budget is sized for (2: 128 registers a thread, for grids of
-// more than one wave; 1: no spills, for grids that give each SM at most one CTA anyway).
-// WG (sm_90a only, KMAX <= 128, BV a multiple of 64): the output warps form one warpgroup that
-// computes the chunk with wgmma (q k^T and q S from shared memory, P v with P from registers);
-// otherwise each output warp uses mma.sync on its 16 rows.
-// STAGES: chunks of q/k/v tiles in shared memory: 2 (chunk c + 1 loading while c is computed) or,
-// wgmma without DLOG, 3 (chunks c + 1 and c + 2 loading: twice the bytes in flight).
-// DLOG, DUAL: see the header (16-byte aligned rows, wgmma; DLOG not RTK_MODE_STATES; DUAL two
-// stages and one value tile, Dv <= BV).
-template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG, int DLOG = 0, int STAGES = 2, bool DUAL = false>
+// MINB: CTAs per SM the registers are sized for (2: 128 a thread; 1: no spills, one CTA per SM).
+// WG (sm_90a, KMAX <= 128, BV a multiple of 64): the output warps form a warpgroup on wgmma (q k^T,
+// q S from shared memory, P v with P from registers); else each output warp uses mma.sync.
+// STAGES: chunks of tiles in shared memory: 2, or (wgmma, no DLOG) 3, twice the bytes in flight.
+// DLOG, DUAL: see the header (aligned rows, wgmma; DLOG not RTK_MODE_STATES; DUAL two stages, Dv <= BV).
+// TMA (wgmma, aligned rows, a forward walk, unpacked, no DLOG/DUAL): one state thread loads each
+// chunk as tensor copies on the stage's mbarrier, each output warp sends its rows as tensor stores.
+// Why: on an H200 cp.async's address arithmetic took a quarter of the state warps' issue time and
+// the row copies a quarter of the output warps' (whose periods are as long). `maps`: zeros elsewhere.
+struct rtk_fwd_maps {
+  rtk_tmap q, k, v, o;  // rank 4 over the tensors as stored: (column, token, head, batch)
+};
+
+template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG, int DLOG = 0, int STAGES = 2, bool DUAL = false,
+          bool TMA = false>
 __global__ void __launch_bounds__(256, MINB)
-rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p) {
+rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape p,
+              const __grid_constant__ rtk_fwd_maps maps) {
   RTK_FWD_SHAPE(p.f);
   RTK_FWD_SIZES;
   const rtk_i64 seg_len = p.seg_len;
@@ -73,7 +71,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   // the state warps, so that the value tile can be 128 wide (ZREG: W or Z in registers)
   constexpr bool DQ_DLOG = DLOG != 0 && !DUAL, WFORM = DLOG == 1, ZWALK = (DLOG == 2 || DLOG == 3) && !DUAL;
   constexpr bool DUAL_DLOG = DUAL && DLOG == 2, ZSMEM = DLOG == 3 && !DUAL, ZREG = DQ_DLOG && !ZSMEM;
-  typedef rtk_chunk_smem<KMAX, BV, WG, DQ_DLOG, STAGES, DUAL, ZSMEM> L;
+  typedef rtk_chunk_smem<KMAX, BV, WG, DQ_DLOG, STAGES, DUAL, ZSMEM, TMA> L;
   // A second CTA barrier per chunk before the state warps write the next copy: with one copy (KMAX
   // 256), and for fp16 on the mma.sync kernel, whose copy is scaled by the 4 state warps' common
   // maximum (racecheck reported hazards with a barrier of the state warps alone). The wgmma
@@ -90,6 +88,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   static_assert(!ZSMEM || DT == RTK_BF16, "the Z copy is not scaled: bf16 only");
   static_assert(STAGES == 2 || (STAGES == 3 && WG && VEC && !DLOG), "bad stages");
   static_assert(!DUAL || (WG && VEC && !WFORM && STAGES == 2), "bad dual tile");
+  static_assert(!TMA || (WG && VEC && !DLOG && !DUAL), "bad tma instance");
   static_assert(L::BYTES <= 227 * 1024, "shared memory");
 
   extern __shared__ __align__(16) unsigned char smem_base[];
@@ -102,6 +101,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   // the same power of two 2^e, max|S| * 2^e <= 2^14. DLOG: W's at s_red[8 ..] (base 8), likewise.
   float* s_red = reinterpret_cast<float*>(smem_raw + L::ELEMS * 2);
   rtk_u32* or_ring = reinterpret_cast<rtk_u32*>(smem_raw + L::ELEMS * 2 + L::RED);  // rtk_cta_sync_or
+  const rtk_u32 bars = rtk_smem_addr(smem_raw) + L::ELEMS * 2 + L::RED + 8;  // TMA: stage s's at bars + 8 s
   auto copy_exponent = [&](int slot, int base = 0) -> int {
     float m = 0.f;
     bool fin = true;
@@ -127,7 +127,16 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     rtk_u16* sK = sm + stage * L::STAGE + L::K;
     rtk_u16* sV = sm + stage * L::STAGE + L::V;
     const int n0 = grid.start(chunk), lim = ZWALK ? n0 + grid.len(chunk, n0) : NS;  // rows from lim load as 0
-    if (VEC) {
+    if constexpr (TMA) {  // rows past N arrive as zeros (only the last segment ends short of a chunk)
+      if (st == 0) {
+        const int y = (int)n_begin + n0;
+        const rtk_u32 bar = bars + 8 * stage;
+        rtk_mbar_expect(bar, ((states_only ? 0 : KMAX) + KMAX + BV) * C * 2);
+        if (!states_only) rtk_tensor_load_boxes<KMAX / 64>(rtk_smem_addr(sQ), &maps.q, 0, y, h, b, bar);
+        rtk_tensor_load_boxes<KMAX / 64>(rtk_smem_addr(sK), &maps.k, 0, y, h, b, bar);
+        rtk_tensor_load_boxes<BV / 64>(rtk_smem_addr(sV), &maps.v, v0, y, h, b, bar);
+      }
+    } else if (VEC) {
       ld.template copy<C, KS, VS>(rtk_smem_addr(sQ + L::qk_off(ld.qrow, ld.qcol >> 3)),
                                   rtk_smem_addr(sK + L::qk_off(ld.qrow, ld.qcol >> 3)),
                                   rtk_smem_addr(sV + L::v_off(vrow, vcol >> 3)), n0, lim, !states_only);
@@ -160,26 +169,14 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   auto end_period = [&](int next) -> bool {
     bool my_bad = false;
     if (!out_warp) {
-      rtk_cp_async_wait<STAGES - 2>();  // chunk `next` is in; the one after it may still be loading
+      // chunk `next` is in; the one after it may still be loading
+      if (!TMA) rtk_cp_async_wait<STAGES - 2>();
+      else if (next < nchunks) rtk_mbar_wait(bars + 8 * (next % STAGES), (rtk_u32)(next / STAGES) & 1u);
       if (!VEC) rtk_named_sync(1, 128);  // the chunk was stored by other state warps
-      if (next < nchunks) {
-        // the v pieces of this thread's loader set: any Inf/NaN?
-        const rtk_u16* sV = sm + (next % STAGES) * L::STAGE + L::V;
-        #pragma unroll
-        for (int u = 0; u < C / VROWS; ++u) {
-          const uint4 x = *reinterpret_cast<const uint4*>(sV + L::v_off(vrow + u * VROWS, vcol >> 3));
-          my_bad |= rtk_nonfinite2<DT>(x.x) | rtk_nonfinite2<DT>(x.y) | rtk_nonfinite2<DT>(x.z) |
-                    rtk_nonfinite2<DT>(x.w);
-        }
-        if (DUAL) {
-          const rtk_u16* sK = sm + (next % STAGES) * L::STAGE + L::K;
-          #pragma unroll
-          for (int u = 0; u < C / LD::QROWS; ++u) {
-            const uint4 x = *reinterpret_cast<const uint4*>(sK + L::qk_off(ld.qrow + u * LD::QROWS, ld.qcol >> 3));
-            my_bad |= rtk_nonfinite2<DT>(x.x) | rtk_nonfinite2<DT>(x.y) | rtk_nonfinite2<DT>(x.z) |
-                      rtk_nonfinite2<DT>(x.w);
-          }
-        }
+      if (next < nchunks) {  // the v pieces of this thread's loader set (DUAL: and k's): any Inf/NaN?
+        const rtk_u16* tiles = sm + (next % STAGES) * L::STAGE;
+        my_bad = rtk_pieces_nonfinite<DT, C / VROWS, VROWS>(tiles + L::V, vrow, vcol >> 3, L::v_off);
+        if (DUAL) my_bad |= rtk_pieces_nonfinite<DT, C / LD::QROWS, LD::QROWS>(tiles + L::K, ld.qrow, ld.qcol >> 3, L::qk_off);
       }
       // the tiles (cp.async) and the state copy (st.shared) are read by wgmma next: async proxy
       if (WG) rtk_fence_proxy_async();
@@ -187,8 +184,12 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     return rtk_cta_sync_or(my_bad, or_ring, (rtk_u32)next);
   };
 
-  if (tid == 0) or_ring[0] = or_ring[1] = 0u;
-  rtk_cta_sync();  // the ring zeroed before either group's first end_period
+  if (tid == 0) {
+    or_ring[0] = or_ring[1] = 0u;
+    for (int i = 0; i < (TMA ? STAGES : 0); ++i) rtk_mbar_init(bars + 8 * i);
+    if (TMA) rtk_mbar_init_fence();
+  }
+  rtk_cta_sync();  // the ring zeroed (and the barriers set up) before either group's first end_period
 
   // The two groups run separate loops (so neither holds the other's registers) and meet at one
   // barrier per chunk (end_period). In the period of chunk c the output warps compute its outputs
@@ -199,7 +200,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     const int w = warp, r0 = 16 * warp;  // this warp's rows r0 .. r0+15 of each chunk
     const rtk_chunk_decay dec(lg2, out_scale, g, t4, r0);
     // the wgmma kernel sends whole, 16-byte aligned output rows with bulk copies
-    const bool osend = WG && ovec_full && o_sn % 8 == 0 && (reinterpret_cast<size_t>(ob + v0) & 15) == 0;
+    const bool osend = TMA || (WG && ovec_full && o_sn % 8 == 0 && (reinterpret_cast<size_t>(ob + v0) & 15) == 0);
     // DUAL: o2's rows, of k's strides, KMAX (= Dk, else paired stores column by column) wide
     rtk_u16* ob2 = DUAL ? reinterpret_cast<rtk_u16*>(p.out2) + rtk_offset(ks, b, h, n_begin) : nullptr;
     const bool ovec2 = DUAL && Dk == KMAX && (k_sn & 1) == 0 && (reinterpret_cast<size_t>(ob2) & 3) == 0;
@@ -232,6 +233,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       const rtk_u32 sQ_addr = rtk_smem_addr(sm + stage * L::STAGE + L::Q);
       const rtk_u32 sK_addr = rtk_smem_addr(sm + stage * L::STAGE + L::K);
       const rtk_u32 sV_addr = rtk_smem_addr(sm + stage * L::STAGE + L::V);
+      // TMA: the stage's copies are seen complete here too (the state warps waited before the barrier)
+      if constexpr (TMA) rtk_mbar_wait(bars + 8 * stage, (rtk_u32)(chunk / STAGES) & 1u);
       if (states_only) {  // first pass of the split-sequence strategy: no outputs
         v_bad = out_end(chunk);
         continue;
@@ -364,7 +367,10 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         rtk_chunk_mark_nonfinite(o_acc, r0, g, t4,
                                  [&](int s2, int c) -> int { return (sV[L::v_off(s2, c >> 3) + (c & 7)] & EXP) == EXP; });
       }
-      if (WG && osend)
+      if constexpr (TMA)
+        rtk_chunk_send_box<DT, NT, L::OBUF>(&maps.o, o_acc, rtk_smem_addr(sm + L::O + (chunk % L::OBUF) * C * L::OS + w * 16 * BV),
+                                            lane, v0, (int)n_begin + n0 + r0, h, b);
+      else if (WG && osend)
         rtk_chunk_send_rows<DT, NT, L::OS, L::OBUF>(ob, o_acc, rtk_smem_addr(sm + L::O + (chunk % L::OBUF) * C * L::OS),
                                                      n0, r0, lane, len, o_sn, v0);
       else

@@ -7,9 +7,11 @@
 // the layout wgmma descriptors read. The *_off functions give the element offset of 16-byte
 // piece p of row r; KS and VS are the element step from one row to the next in the same piece.
 // ZSMEM (the 128-wide Z dq pass): two S copies, one Z copy updated in place (no W copies), and one
-// x tile (XB) outside the stages, which the output warps load themselves each period.
+// x tile (XB) outside the stages, which the output warps load themselves each period. TMA (tiles
+// by tensor copies, output rows by tensor stores): each output warp's 16 rows of a buffer are two
+// (BV 128) or one box of 16 x 64 in the 128-byte swizzle, at 4 KB (2 KB) steps.
 template <int KMAX, int BV, bool SW, bool DLOG = false, int STAGES = 2, bool DUAL = false,
-          bool ZSMEM = false>  // STAGES: of q/k/v tiles
+          bool ZSMEM = false, bool TMA = false>  // STAGES: of q/k/v tiles
 struct rtk_chunk_smem {
   static constexpr int C = 64;
   static constexpr int KS = SW ? 64 : KMAX + 8;
@@ -28,8 +30,8 @@ struct rtk_chunk_smem {
   static constexpr int O = XB + (ZSMEM ? C * BV : 0);
   static constexpr int ALIGN = SW ? 1024 : 0;            // slack for aligning the base
   // + fp16 scaling: max|S| of the 4 state warps, 2 slots (DLOG: and max|W|), RED bytes; + rtk_cta_sync_or's
-  // ring (2 words)
-  static constexpr int RED = DLOG ? 64 : 32, TAIL = RED + 8 + ALIGN;
+  // ring (2 words); + TMA: an mbarrier per tile stage (BARS bytes)
+  static constexpr int RED = DLOG ? 64 : 32, BARS = TMA ? 8 * STAGES : 0, TAIL = RED + 8 + BARS + ALIGN;
   static constexpr int OBUF = !DUAL && (O + 2 * C * OS) * 2 + TAIL <= 227 * 1024 ? 2 : 1;
   static constexpr int ELEMS = O + (SW ? OBUF * C * OS : 0);
   static constexpr int BYTES = ELEMS * 2 + TAIL;

@@ -103,10 +103,8 @@ rtk_chunk_states(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_sh
       const int first = (int)n_begin + n0, y = rev ? N - first - C : first;
       const rtk_u32 bar = bars + 8 * stage;
       rtk_mbar_expect(bar, (KMAX + BV) * C * 2);
-      #pragma unroll
-      for (int i = 0; i < KMAX / 64; ++i) rtk_tensor_load4(rtk_smem_addr(sK) + i * C * 128, &maps.k, i * 64, y, h, b, bar);
-      #pragma unroll
-      for (int i = 0; i < BV / 64; ++i) rtk_tensor_load4(rtk_smem_addr(sV) + i * C * 128, &maps.v, v0 + i * 64, y, h, b, bar);
+      rtk_tensor_load_boxes<KMAX / 64>(rtk_smem_addr(sK), &maps.k, 0, y, h, b, bar);
+      rtk_tensor_load_boxes<BV / 64>(rtk_smem_addr(sV), &maps.v, v0, y, h, b, bar);
     } else if (VEC) {
       ld.template copy<C, KS, VS>(0u, rtk_smem_addr(sK + ld.qrow * KS + ld.qcol),
                                   rtk_smem_addr(sV + ld.vrow * VS + ld.vcol), n0, NS, false);

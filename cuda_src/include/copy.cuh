@@ -75,6 +75,22 @@ __device__ __forceinline__ void rtk_tensor_load4(rtk_u32 dst, const rtk_tmap* ma
                :: "r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
                   "r"(bar) : "memory");
 }
+// NB boxes of 64 columns x 64 rows side by side: columns c0 + 64 i to dst + 8192 i (the 128-byte
+// swizzled regions of a 64-row tile), all completing on `bar`.
+template <int NB>
+__device__ __forceinline__ void rtk_tensor_load_boxes(rtk_u32 dst, const rtk_tmap* map, int c0, int c1, int c2, int c3,
+                                                      rtk_u32 bar) {
+  #pragma unroll
+  for (int i = 0; i < NB; ++i) rtk_tensor_load4(dst + i * 8192, map, c0 + i * 64, c1, c2, c3, bar);
+}
+// The box of a rank-4 map at element coordinates (c0 innermost .. c3) from shared address `src`
+// (1024-byte aligned for the 128-byte swizzle) to global memory, in the issuing thread's bulk group
+// (rtk_bulk_commit / rtk_bulk_wait_*); elements outside the tensor are not written.
+__device__ __forceinline__ void rtk_tensor_store4(const rtk_tmap* map, int c0, int c1, int c2, int c3, rtk_u32 src) {
+  RTK_SM90_ASM("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
+               :: "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+               : "memory");
+}
 // The byte offset of 16-byte piece `piece` (0..7) of row `row` in a box of 128-byte rows written
 // with the 128-byte swizzle: the piece index XORed with the row's place in its 8-row group.
 __device__ __forceinline__ rtk_u32 rtk_swizzle128(int row, int piece) {

@@ -15,11 +15,12 @@ from ...decay import LogDecay
 from ...jit import get_function
 from ...jit.tensor_map import TensorMaps
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
-from .plan import (MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE, STATES_SOURCE, STATES_TF32_SOURCE,
-                   TF32_WG_SOURCE, Launch, _sm_count, _smem_limit, aligned, current_overrides, dlog_launch,
-                   dual_launch, fold_parts, key_pieces, override, packed_launch, plan_launch, split, states_config,
-                   states_name, states_options, states_smem_bytes, states_tma, tf32_states_config,
-                   tf32_states_name, tf32_states_smem_bytes, tf32_wg_planned, tuned_launch)
+from .plan import (FWD16_SOURCE, MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE, STATES_SOURCE,
+                   STATES_TF32_SOURCE, TF32_WG_SOURCE, Launch, _sm_count, _smem_limit, aligned, current_overrides,
+                   dlog_launch, dual_launch, fold_parts, fused_tma, key_pieces, override, packed_launch, plan_launch,
+                   split, states_config, states_name, states_options, states_smem_bytes, states_tma,
+                   tf32_states_config, tf32_states_name, tf32_states_smem_bytes, tf32_wg_planned, tma_variant,
+                   tuned_launch)
 
 __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward", "pass_launch", "pass_launcher",
            "launch_pass", "transposed_slots", "call_pieces", "kernel_final_state"]
@@ -27,6 +28,23 @@ __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward",
 
 #: The states kernel's tensor-map parameter for its cp.async instances (never read: zeros).
 _NO_MAPS = TensorMaps(2)
+#: The same for ``rtk_chunk_fwd`` (q, k, v, o) and its instances that take no tensor copies.
+_NO_FWD_MAPS = TensorMaps(4)
+
+
+def _fwd_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> Optional[TensorMaps]:
+    """The TMA forward instance's tensor maps of q, k, v and out (``[B, H, N, D]`` views, 16-bit, a
+    forward walk): element coordinates (column, token, head, batch) over the memory as stored,
+    boxes of 64 columns x 64 tokens (the loads) and 64 x 16 (an output warp's rows); each follows
+    head pointer 0..3 of a call. None where the driver refuses one."""
+    maps = TensorMaps(4, [(0, 0), (1, 0), (2, 0), (3, 0)])
+    for i, (x, rows) in enumerate(((q, 64), (k, 64), (v, 64), (out, 16))):
+        b, h, n, d = x.shape
+        es = x.element_size()
+        strides = (x.stride(2) * es, x.stride(1) * es, x.stride(0) * es)
+        if min(strides) <= 0 or not maps.encode(i, x.data_ptr(), (d, n, h, b), strides, (64, rows, 1, 1)):
+            return None
+    return maps
 
 
 def _kv_maps(k: torch.Tensor, v: torch.Tensor, offsets: Optional[tuple[int, ...]]) -> TensorMaps:
@@ -147,6 +165,14 @@ class ChunkLaunch:
         else:
             lp = pass_launch(q.dtype, b, h, n, dk, dv, dev, vec, exact, tuned)
         name, bv, nseg, smem, threads, opts = lp.name, lp.bv, lp.segments, lp.smem, lp.threads, lp.options
+        # rtk_chunk_fwd's tensor maps: the TMA instance's for a forward walk over unpacked sequences
+        # where the driver takes all four, zeros for its other instances; the float32 kernels take none
+        fmaps = _NO_FWD_MAPS if lp.source == FWD16_SOURCE else None
+        tma = None if reverse or sequences or dlog or dual or fmaps is None else tma_variant(name)
+        if tma is not None and fused_tma(dev, over):
+            maps = _fwd_maps(q, k, v, out)
+            if maps is not None:
+                (name, smem), fmaps = tma, maps
         seg_len, nseg = split(n, nseg)
         self.nseg = nseg
         self.slots = nseg  # of the split strategy's state buffer (the states pass's: below)
@@ -184,11 +210,12 @@ class ChunkLaunch:
         if sequences or dlog or dual:  # addresses that change per call: the struct's last fields (from
             # cu_seqlens on, CHUNK_FIELDS) are packed with the pointers at each launch
             self.packed = (fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, mode_k, fold_len, *NO_EXTRAS),
-                                   late=len(NO_EXTRAS)), int(reverse))
+                                   fmaps, late=len(NO_EXTRAS)), int(reverse))
             self.fused = None
             return
         # head: q, k, v, out, log-decay, initial state, final state pointers; no packed sequences
-        self.fused = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, mode_k, fold_len, *NO_EXTRAS))
+        self.fused = fn.bind(grid, block, smem, dev, FWD_POINTERS, (*tail, seg_len, mode_k, fold_len, *NO_EXTRAS),
+                             fmaps)
         if nseg > 1 and not fold:  # each segment's own state (below), then the scan kernel
             if lp.source == TF32_WG_SOURCE and over.dedicated_states:
                 # float32 "tf32": rtk_chunk_states_tf32 (the fused kernel's states-only mode costs
@@ -200,7 +227,7 @@ class ChunkLaunch:
                                        dev, FWD_POINTERS, (*tail, seg_len, MODE_STATES, fold_len, *NO_EXTRAS))
             else:  # the fused kernel's states-only mode
                 self.states = fn.bind(grid, block, smem, dev, FWD_POINTERS,
-                                      (*tail, seg_len, MODE_STATES, fold_len, *NO_EXTRAS))
+                                      (*tail, seg_len, MODE_STATES, fold_len, *NO_EXTRAS), fmaps)
             total = bh * dk * dv
             # head: segment states, entering states, initial state, final state, log-decay pointers
             self.scan = get_function(SEG_SCAN_SOURCE, "rtk_chunk_seg_scan", dev).bind(

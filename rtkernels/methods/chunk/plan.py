@@ -171,7 +171,37 @@ def all_configs() -> list[tuple]:
             for z in (False, True)} | {dlog_config(torch.bfloat16, dk, True, True, True) for dk in (64, 128)}
     dual = {dual_config(dt, dk, dv, True, z) for dt in (torch.float16, torch.bfloat16)
             for dk in (64, 128) for dv in (64, 128) for z in (False, True)}
-    return sorted(plain | wg | dlog | dual | _f32_configs())
+    tma = {_tma_config(c) for c in wg if c[3] and fwd_stages(c) == default_stages(
+        torch.bfloat16 if c[0] == dtype_code(torch.bfloat16) else torch.float16, c[2])}
+    return sorted(plain | wg | dlog | dual | tma | _f32_configs())
+
+
+def _tma_config(config: tuple) -> tuple:
+    """The TMA instance of a plain wgmma :func:`kernel_config` template on aligned rows: (DT, KMAX,
+    BV, VEC, MINB, WG, DLOG = false, STAGES, DUAL = false, TMA = true)."""
+    return (*config[:6], False, fwd_stages(config), False, True)
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_variants() -> dict[str, tuple[str, int]]:
+    tma = [c for c in all_configs() if len(c) == 10 and c[9]]  # (the plain instance has 6 arguments at 2 stages)
+    return {name_expression(c[:6] if c[7] == 2 else c[:8]): (name_expression(c), config_smem(c)) for c in tma}
+
+
+def tma_variant(name: str) -> Optional[tuple[str, int]]:
+    """(name expression, dynamic shared memory) of the TMA instance of the plain wgmma forward
+    instance ``name`` (aligned rows), or None where there is none: the tiles arrive as tensor copies
+    on an mbarrier per stage and the output rows leave as tensor stores (``cuda_src/chunk/
+    fwd16.cu``, TMA). The launch takes it only for a forward walk over unpacked sequences whose four
+    tensor maps the driver accepts (:func:`fused_tma`)."""
+    return _tma_variants().get(name)
+
+
+def fused_tma(dev: int, over: "Overrides") -> bool:
+    """Whether a 16-bit pass may take the TMA instance of its wgmma kernel (:func:`tma_variant`): on
+    compute capability 9.0 where wgmma may run, unless ``Overrides.tma_io`` is False. Measured on an
+    H200 (docs/performance.md, session 41)."""
+    return over.tma_io and _capability(dev) == (9, 0) and _wgmma_ok(dev, over)
 
 
 def dlog_config(dtype: torch.dtype, dk: int, vec: bool, zsplit: bool = False, wide: bool = False) -> Optional[tuple]:
@@ -225,13 +255,14 @@ def name_expression(config: tuple) -> str:
 
 
 def smem_bytes(kmax: int, bv: int, wg: bool = False, dlog: bool = False, stages: int = 2, dual: bool = False,
-               zsmem: bool = False) -> int:
+               zsmem: bool = False, tma: bool = False) -> int:
     """Dynamic shared memory of ``rtk_chunk_fwd`` (mirrors rtk_chunk_smem in
     ``cuda_src/chunk/layout16.cuh``): ``stages`` stages of q/k/v tiles, two 16-bit state copies (one
     for KMAX 256), and with ``wg`` two buffers of output rows (one where two do not fit beside three
     stages); ``dlog`` (wgmma only): an x tile per stage and two copies of W; ``dual`` (wgmma only):
     an x tile per stage and one buffer of output rows as wide as the wider output; ``zsmem`` (with
-    ``dlog``, DLOG 3): two S copies, one Z copy and one x tile outside the stages."""
+    ``dlog``, DLOG 3): two S copies, one Z copy and one x tile outside the stages; ``tma``: an
+    mbarrier per stage (the TMA instance, :func:`tma_variant`)."""
     c = CHUNK_KERNEL
     copies = 1 if kmax == 256 else 2
     if wg:  # 128-byte-swizzled tiles without padding, output-row buffers (rows padded by 16
@@ -239,7 +270,8 @@ def smem_bytes(kmax: int, bv: int, wg: bool = False, dlog: bool = False, stages:
         x = c * bv if (dlog and not zsmem) or dual else 0
         w = (kmax * bv + c * bv if zsmem else copies * kmax * bv) if dlog else 0
         head = stages * (2 * c * kmax + c * bv + x) + copies * kmax * bv + w
-        fixed = (64 if dlog else 32) + 8 + 1024  # fp16 maxima (of W too with dlog), the OR ring, alignment
+        # fp16 maxima (of W too with dlog), the OR ring, the TMA instance's mbarriers, alignment
+        fixed = (64 if dlog else 32) + 8 + (8 * stages if tma else 0) + 1024
         row = (max(kmax, bv) if dual else bv) + 8
         obuf = 2 if not dual and 2 * (head + 2 * c * row) + fixed <= SMEM_LIMIT_SM90 else 1
         return 2 * (head + obuf * c * row) + fixed
@@ -297,7 +329,7 @@ def config_smem(config: tuple) -> int:
     dual = len(config) > 8 and config[8]
     dlog = len(config) > 6 and config[6]
     return smem_bytes(config[1], config[2], config[5], bool(dlog) and not dual, fwd_stages(config), dual,
-                      dlog == 3 and not dual)
+                      dlog == 3 and not dual, len(config) > 9 and config[9])
 
 
 def fwd_stages(config: tuple) -> int:
@@ -419,7 +451,9 @@ class Overrides:
     applies, None where its dq pass is 128 wide. ``dlog_wide``: the Z split's dq pass with 128-wide
     value tiles, Z kept only in its 16-bit copy (bf16; :func:`dlog_config` with ``wide``): False
     never, True wherever it exists, None where the 64-wide pass would need two waves
-    (:func:`dlog_launch`)."""
+    (:func:`dlog_launch`). ``tma_io``: a forward walk's wgmma kernel with its tiles by tensor copies and
+    its output rows by tensor stores (:func:`tma_variant`) where it can (True), or by cp.async and
+    bulk copies of rows (False)."""
 
     segments: Optional[int] = None
     wgmma: Optional[bool] = None
@@ -431,6 +465,7 @@ class Overrides:
     fused_dk_dv: Optional[bool] = None
     dlog_split: Optional[bool] = None
     dlog_wide: Optional[bool] = None
+    tma_io: bool = True
 
     @property
     def steers_plan(self) -> bool:
