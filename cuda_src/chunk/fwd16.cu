@@ -72,10 +72,9 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   constexpr bool DQ_DLOG = DLOG != 0 && !DUAL, WFORM = DLOG == 1, ZWALK = (DLOG == 2 || DLOG == 3) && !DUAL;
   constexpr bool DUAL_DLOG = DUAL && DLOG == 2, ZSMEM = DLOG == 3 && !DUAL, ZREG = DQ_DLOG && !ZSMEM;
   typedef rtk_chunk_smem<KMAX, BV, WG, DQ_DLOG, STAGES, DUAL, ZSMEM, TMA> L;
-  // A second CTA barrier per chunk before the state warps write the next copy: with one copy (KMAX
-  // 256), and for fp16 on the mma.sync kernel, whose copy is scaled by the 4 state warps' common
-  // maximum (racecheck reported hazards with a barrier of the state warps alone). The wgmma
-  // kernel's fp16 state warps meet alone (STATE_BAR; its copies are double-buffered).
+  // A second CTA barrier a chunk before the state warps write the next copy: with one copy (KMAX 256),
+  // and for fp16 on mma.sync, whose copy is scaled by the 4 state warps' common maximum (racecheck saw
+  // hazards with their own barrier). The wgmma kernel's fp16 state warps meet alone (STATE_BAR).
   constexpr bool SERIAL = L::NCOPY == 1 || (DT == RTK_F16 && !WG);
   constexpr bool STATE_BAR = DT == RTK_F16 && !SERIAL;
   constexpr int C = L::C, KS = L::KS, VS = L::VS;
@@ -95,10 +94,9 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   constexpr rtk_u32 AL = L::ALIGN > 0 ? L::ALIGN : 1;
   unsigned char* smem_raw = smem_base + ((AL - (rtk_smem_addr(smem_base) & (AL - 1))) & (AL - 1));
   rtk_u16* sm = reinterpret_cast<rtk_u16*>(smem_raw);
-  // fp16 only: each state warp publishes max|S| of its rows (or -1 when not finite) for the copy of
-  // S entering chunk c in slot c % 2; the state warps read the 4 values after a barrier of their
-  // own, the output warps after the CTA barrier ending the period before chunk c, and both derive
-  // the same power of two 2^e, max|S| * 2^e <= 2^14. DLOG: W's at s_red[8 ..] (base 8), likewise.
+  // fp16: each state warp publishes max|S| of its rows (-1: not finite) for the copy entering chunk c
+  // in slot c % 2, read by the state warps after their barrier and the output warps after the CTA
+  // barrier before chunk c; both derive 2^e, max|S| * 2^e <= 2^14. DLOG: W's at s_red[8 ..].
   float* s_red = reinterpret_cast<float*>(smem_raw + L::ELEMS * 2);
   rtk_u32* or_ring = reinterpret_cast<rtk_u32*>(smem_raw + L::ELEMS * 2 + L::RED);  // rtk_cta_sync_or
   const rtk_u32 bars = rtk_smem_addr(smem_raw) + L::ELEMS * 2 + L::RED + 8;  // TMA: stage s's at bars + 8 s
@@ -163,9 +161,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
 
   const int nchunks = (NS + C - 1) / C;
 
-  // The state warps' end of a chunk period: wait for their copies of chunk `next` (issued at the
-  // start of the period), look for non-finite v in it (DUAL: and in k, o2's values), then the CTA
-  // barrier, which ORs the answers. Returns whether chunk `next`'s v (or k) holds Inf/NaN.
+  // The end of a chunk period: the state warps wait for chunk `next` and look for Inf/NaN in its v (DUAL:
+  // and k), then the CTA barrier ORs the answers. Returns whether chunk `next`'s v (or k) holds one.
   auto end_period = [&](int next) -> bool {
     bool my_bad = false;
     if (!out_warp) {
@@ -191,10 +188,9 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   }
   rtk_cta_sync();  // the ring zeroed (and the barriers set up) before either group's first end_period
 
-  // The two groups run separate loops (so neither holds the other's registers) and meet at one
-  // barrier per chunk (end_period). In the period of chunk c the output warps compute its outputs
-  // from stage c % STAGES and state copy c % 2, while the state warps load chunk c + STAGES - 1 into
-  // chunk c - 1's stage, update S with chunk c and write the copy of S entering c + 1 into the other.
+  // The two groups run separate loops (neither holds the other's registers) and meet once a chunk
+  // (end_period). In period c the output warps use stage c % STAGES and state copy c % 2; the state warps
+  // load chunk c + STAGES - 1 into chunk c - 1's stage, update S and write the copy entering c + 1.
   if (out_warp) {
     // ---- output warps: per-thread decay factors, fixed for the whole sequence -----------------
     const int w = warp, r0 = 16 * warp;  // this warp's rows r0 .. r0+15 of each chunk
@@ -246,9 +242,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       auto voff = [](int r, int pc) { return L::v_off(r, pc); };  // a v-like tile's piece pc of row r
       // o_acc += P[:, 16 kk ..] V[16 kk .., :] by mma.sync (kk a compile-time value)
       auto pv = [&](int kk) { saw_bad |= rtk_chunk_pv_step<DT>(o_acc, p, kk, sV_addr, lane, v_bad, voff); };
-      // wgmma descriptors: a base per operand, plus the byte offset of each 16-wide k step / 16-row
-      // group (>> 4: the start-address field counts 16-byte units, and never overflows here);
-      // kmaj: k-step ks of a 64-row tile stored K-major
+      // wgmma descriptors: a base per operand plus the byte offset of each k step / 16-row group (>> 4:
+      // the address field counts 16-byte units); kmaj: k-step ks of a 64-row tile stored K-major
       auto kmaj = [](int ks) { return rtk_kmajor_step(C, ks); };
       if constexpr (WG) {
         // q k^T for all 64 x 64 pairs and q S, both from shared memory, as two wgmma groups
@@ -434,9 +429,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     }
   } else {
     // ---- state warps: fp32 state in registers, 16-bit copy in shared memory --------------------
-    // m-tile mt of a state warp: rows sr0 + MSTEP mt .. + 15. WG: the state warps form the second
-    // warpgroup and update S with wgmma, warp w holding rows 16 (w - 4) of each 64 (the wgmma
-    // accumulator layout); otherwise each warp owns MT * 16 consecutive rows (mma.sync).
+    // m-tile mt of a state warp: rows sr0 + MSTEP mt .. + 15. WG: a warpgroup on wgmma, warp w holding rows
+    // 16 (w - 4) of each 64 (its accumulator layout); else each warp owns MT * 16 rows (mma.sync).
     constexpr int MSTEP = WG ? 64 : 16;
     const int sr0 = (warp - 4) * (WG ? 16 : MT * 16);
     float s_acc[MT][NT][4];
@@ -496,6 +490,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     }
     next_copy(0, true);
     end_period(0);
+    const rtk_key_weights<DT, WFORM> kw_whole[4] = {{lg2, C, 0, t4, false, dn}, {lg2, C, 1, t4, false, dn},
+                                                    {lg2, C, 2, t4, false, dn}, {lg2, C, 3, t4, false, dn}};
     for (int chunk = 0; chunk < nchunks; ++chunk) {
       const int stage = chunk % STAGES, slot = chunk & 1;  // tiles; state copy
       const int ahead = chunk + STAGES - 1;
@@ -510,10 +506,8 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       const int zm = WFORM || chunk + 1 < nchunks ? len : len - 1;
       if constexpr (ZREG) rtk_frag_dlog_step<WFORM && DT == RTK_F16>(w_acc, s_acc, carry, zm, dn);
       rtk_frag_scale(s_acc, carry);
-      // k-step kk (tokens s = 16 kk ..): a[mt] = the A fragment of (k_s gamma^(len-1-s))^T for
-      // m-tile mt, and for W a2[mt] of (k_s (len-1-s) gamma^(len-1-s))^T (weights 0 past len)
-      auto weighted_k = [&](int kk, rtk_u32 (&a)[MT][4], rtk_u32 (&a2)[MT][4]) {
-        const rtk_key_weights<DT, WFORM> kw(lg2, len, kk, t4, false, dn);
+      // k-step kk (tokens 16 kk ..): a[mt] the A fragment of (k_s w_s)^T for m-tile mt, W's a2[mt] of (k_s (len-1-s) w_s)^T
+      auto weighted_k = [&](int kk, const rtk_key_weights<DT, WFORM>& kw, rtk_u32 (&a)[MT][4], rtk_u32 (&a2)[MT][4]) {
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           rtk_ldsm_x4_trans(a[mt], sK_addr + 2 * L::qk_off(kk * 16 + (lane & 7) + (lane >> 4) * 8,
@@ -522,22 +516,29 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         }
       };
       if constexpr (WG) {
-        // S (+ W) += A V, one wgmma group per k-step, v from shared memory (as in P v)
+        // S (+ W) += A V (v from shared memory), KB k-steps' fragments then one wgmma group: the plain
+        // pass takes all four at once (keys past len weigh 0); DLOG and DUAL, short of registers, one
+        constexpr int KB = DLOG || DUAL ? 1 : 4;
         const unsigned long long dv = rtk_wg_desc(sV_addr, RTK_MN_LBO(C * 128), RTK_MN_SBO(C * 128));
         #pragma unroll 1
-        for (int kk = 0; kk * 16 < len; ++kk) {
-          rtk_u32 a[MT][4], a2[MT][4];  // a2: W only
-          weighted_k(kk, a, a2);
+        for (int k0 = 0; k0 * 16 < len; k0 += KB) {
+          rtk_u32 a[KB][MT][4], a2[KB][MT][4];  // a2: W only
+          #pragma unroll
+          for (int j = 0; j < KB; ++j)
+            weighted_k(k0 + j, KB == 4 && len == C ? kw_whole[j] : rtk_key_weights<DT, WFORM>(lg2, len, k0 + j, t4, false, dn),
+                       a[j], a2[j]);
           rtk_wg_fence();
           #pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
+          for (int j = 0; j < KB; ++j)
             #pragma unroll
-            for (int nb = 0; nb < BV / 64; ++nb) {
-              const unsigned long long db = rtk_desc_at(dv, (nb * (C * 128) + kk * 2048) >> 4);
-              rtk_wgmma_rs<DT, 1>(reinterpret_cast<float (&)[32]>(s_acc[mt][8 * nb]), a[mt], db, 1);
-              if constexpr (WFORM)
-                rtk_wgmma_rs<DT, 1>(reinterpret_cast<float (&)[32]>(w_acc[mt][8 * nb]), a2[mt], db, 1);
-            }
+            for (int mt = 0; mt < MT; ++mt)
+              #pragma unroll
+              for (int nb = 0; nb < BV / 64; ++nb) {
+                const unsigned long long db = rtk_desc_at(dv, (nb * (C * 128) + (k0 + j) * 2048) >> 4);
+                rtk_wgmma_rs<DT, 1>(reinterpret_cast<float (&)[32]>(s_acc[mt][8 * nb]), a[j][mt], db, 1);
+                if constexpr (WFORM)
+                  rtk_wgmma_rs<DT, 1>(reinterpret_cast<float (&)[32]>(w_acc[mt][8 * nb]), a2[j][mt], db, 1);
+              }
           rtk_wg_commit();
           rtk_wg_wait<0>();
         }
@@ -553,7 +554,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         #pragma unroll 1
         for (int kk = 0; kk * 16 < len; ++kk) {
           rtk_u32 a[MT][4], a2[MT][4];  // a2: W only
-          weighted_k(kk, a, a2);
+          weighted_k(kk, rtk_key_weights<DT, WFORM>(lg2, len, kk, t4, false, dn), a, a2);
           #pragma unroll
           for (int np = 0; np < NT / 2; ++np) {
             rtk_u32 bb[4];

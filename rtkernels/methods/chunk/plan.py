@@ -163,16 +163,18 @@ def _states_configs() -> set[tuple]:
 
 
 def all_configs() -> list[tuple]:
+    """Every ``rtk_chunk_fwd*`` template the plans and the tuner ask for (the wgmma kernel at the
+    stages :func:`default_stages` gives it: another count, which only ``Overrides.stages`` forces,
+    compiles on first use)."""
     plain = {kernel_config(dt, dk, dv, vec, ctas, 1) for dt in (torch.float16, torch.bfloat16)
              for dk in (64, 128, 256) for dv in (32, 64) for vec in (False, True) for ctas in (1, 2)}
-    wg = {kernel_config(dt, dk, 128, vec, 1, 1, True, bv, stages=st) for dt in (torch.float16, torch.bfloat16)
-          for dk in (64, 128) for vec in (False, True) for bv in (64, 128) for st in (2, 3)}
+    wg = {kernel_config(dt, dk, 128, vec, 1, 1, True, bv, stages=default_stages(dt, bv))
+          for dt in (torch.float16, torch.bfloat16) for dk in (64, 128) for vec in (False, True) for bv in (64, 128)}
     dlog = {dlog_config(dt, dk, True, z) for dt in (torch.float16, torch.bfloat16) for dk in (64, 128)
             for z in (False, True)} | {dlog_config(torch.bfloat16, dk, True, True, True) for dk in (64, 128)}
     dual = {dual_config(dt, dk, dv, True, z) for dt in (torch.float16, torch.bfloat16)
             for dk in (64, 128) for dv in (64, 128) for z in (False, True)}
-    tma = {_tma_config(c) for c in wg if c[3] and fwd_stages(c) == default_stages(
-        torch.bfloat16 if c[0] == dtype_code(torch.bfloat16) else torch.float16, c[2])}
+    tma = {_tma_config(c) for c in wg if c[3]}
     return sorted(plain | wg | dlog | dual | tma | _f32_configs())
 
 
