@@ -17,7 +17,7 @@ from ...jit.tensor_map import TensorMaps
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
 from .plan import (FWD16_SOURCE, MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE, STATES_SOURCE,
                    STATES_TF32_SOURCE, TF32_WG_SOURCE, Launch, _sm_count, _smem_limit, aligned, current_overrides,
-                   dlog_launch, dual_launch, fold_parts, fused_tma, key_pieces, override, packed_launch, plan_launch,
+                   dlog_launch, dual_launch, fold_parts, key_pieces, override, packed_launch, plan_launch,
                    split, states_config, states_name, states_options, states_smem_bytes, states_tma,
                    tf32_states_config, tf32_states_name, tf32_states_smem_bytes, tf32_wg_planned, tma_variant,
                    tuned_launch)
@@ -32,34 +32,31 @@ _NO_MAPS = TensorMaps(2)
 _NO_FWD_MAPS = TensorMaps(4)
 
 
+def _encode(maps: TensorMaps, i: int, x: torch.Tensor, rows: int) -> bool:
+    """Map ``i`` of ``maps`` over ``x`` (a ``[B, H, N, D]`` view, 16-bit, a reversed pass's token
+    stride negative): element coordinates (column, token, head, batch) over the memory as stored,
+    boxes of 64 columns x ``rows`` tokens. False where the driver refuses it."""
+    b, h, n, d = x.shape
+    es = x.element_size()
+    strides = (abs(x.stride(2)) * es, x.stride(1) * es, x.stride(0) * es)
+    return maps.encode(i, x.data_ptr(), (d, n, h, b), strides, (64, rows, 1, 1))
+
+
 def _fwd_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> Optional[TensorMaps]:
-    """The TMA forward instance's tensor maps of q, k, v and out (``[B, H, N, D]`` views, 16-bit, a
-    forward walk): element coordinates (column, token, head, batch) over the memory as stored,
-    boxes of 64 columns x 64 tokens (the loads) and 64 x 16 (an output warp's rows); each follows
-    head pointer 0..3 of a call. None where the driver refuses one."""
+    """The TMA forward instance's tensor maps of q, k, v and out (a forward walk; :func:`_encode`),
+    boxes of 64 tokens (the loads) and 16 (an output warp's rows); each follows head pointer 0..3 of
+    a call. None where the driver refuses one."""
     maps = TensorMaps(4, [(0, 0), (1, 0), (2, 0), (3, 0)])
-    for i, (x, rows) in enumerate(((q, 64), (k, 64), (v, 64), (out, 16))):
-        b, h, n, d = x.shape
-        es = x.element_size()
-        strides = (x.stride(2) * es, x.stride(1) * es, x.stride(0) * es)
-        if min(strides) <= 0 or not maps.encode(i, x.data_ptr(), (d, n, h, b), strides, (64, rows, 1, 1)):
-            return None
-    return maps
+    ok = all(_encode(maps, i, x, rows) for i, (x, rows) in enumerate(((q, 64), (k, 64), (v, 64), (out, 16))))
+    return maps if ok else None
 
 
 def _kv_maps(k: torch.Tensor, v: torch.Tensor, offsets: Optional[tuple[int, ...]]) -> TensorMaps:
-    """The states kernel's tensor maps of k and v (``[B, H, N, D]`` views, 16-bit): element
-    coordinates (column, token, head, batch) over the memory as stored, boxes of 64 columns x 64
-    tokens; each follows its pointer of a call (head pointers 1 and 2, less the reversed pass's
-    offset of the last row). :data:`_NO_MAPS` where the driver refuses either."""
+    """The states kernel's tensor maps of k and v (:func:`_encode`, boxes of 64 tokens); each follows
+    its pointer of a call (head pointers 1 and 2, less the reversed pass's offset of the last row).
+    :data:`_NO_MAPS` where the driver refuses either."""
     maps = TensorMaps(2, [(1, offsets[1] if offsets else 0), (2, offsets[2] if offsets else 0)])
-    for i, x in enumerate((k, v)):
-        b, h, n, d = x.shape
-        es = x.element_size()
-        strides = (abs(x.stride(2)) * es, x.stride(1) * es, x.stride(0) * es)
-        if not maps.encode(i, x.data_ptr(), (d, n, h, b), strides, (64, 64, 1, 1)):
-            return _NO_MAPS
-    return maps
+    return maps if _encode(maps, 0, k, 64) and _encode(maps, 1, v, 64) else _NO_MAPS
 
 
 def pass_launch(dtype: torch.dtype, b: int, h: int, n: int, dk: int, dv: int, dev: int, vec: bool, exact: bool,
@@ -169,7 +166,7 @@ class ChunkLaunch:
         # where the driver takes all four, zeros for its other instances; the float32 kernels take none
         fmaps = _NO_FWD_MAPS if lp.source == FWD16_SOURCE else None
         tma = None if reverse or sequences or dlog or dual or fmaps is None else tma_variant(name)
-        if tma is not None and fused_tma(dev, over):
+        if tma is not None and over.tma_io:  # (a twin exists only for wgmma instances, which only Hopper runs)
             maps = _fwd_maps(q, k, v, out)
             if maps is not None:
                 (name, smem), fmaps = tma, maps

@@ -195,15 +195,8 @@ def tma_variant(name: str) -> Optional[tuple[str, int]]:
     instance ``name`` (aligned rows), or None where there is none: the tiles arrive as tensor copies
     on an mbarrier per stage and the output rows leave as tensor stores (``cuda_src/chunk/
     fwd16.cu``, TMA). The launch takes it only for a forward walk over unpacked sequences whose four
-    tensor maps the driver accepts (:func:`fused_tma`)."""
+    tensor maps the driver accepts, unless ``Overrides.tma_io`` is False."""
     return _tma_variants().get(name)
-
-
-def fused_tma(dev: int, over: "Overrides") -> bool:
-    """Whether a 16-bit pass may take the TMA instance of its wgmma kernel (:func:`tma_variant`): on
-    compute capability 9.0 where wgmma may run, unless ``Overrides.tma_io`` is False. Measured on an
-    H200 (docs/performance.md, session 41)."""
-    return over.tma_io and _capability(dev) == (9, 0) and _wgmma_ok(dev, over)
 
 
 def dlog_config(dtype: torch.dtype, dk: int, vec: bool, zsplit: bool = False, wide: bool = False) -> Optional[tuple]:
