@@ -277,3 +277,34 @@ def test_fp16_range(monkeypatch, segments):
     want = _want(q, k, v, grad, None, None, gammas)
     assert torch.isfinite(got).all() and ((got - want).abs() <= REL_FRO[torch.float16] * want.abs()).all(), \
         (got.tolist(), want.tolist())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("form, n, sizes, segments", [
+    ("w", 1000, (128, 128), 3), ("w", 65, (40, 72), None), ("narrow-z", 65, (128, 128), 1),
+    ("narrow-z", 1000, (40, 72), 1), ("wide-z", 1, (128, 128), 1), ("wide-z", 65, (112, 96), 1),
+    ("wide-z", 4096, (128, 128), 1)], ids=str)
+def test_tma_instance_equals_cp_async(monkeypatch, form, n, sizes, segments, dtype):
+    """The dq pass that sums dlog(gamma), W form (split or not) and Z split at both widths, takes its
+    TMA twin (tiles and x by tensor copies, dq rows by tensor stores; a Z walk's short first chunk
+    zeroed after its copy and stored by rows) and gives the cp.async instance's bits: dq, dk, dv and
+    dlog(gamma)."""
+    from rtkernels.methods.chunk import launch
+
+    if form == "wide-z" and dtype != BF16:
+        pytest.skip("the 128-wide Z pass is bf16 only")
+    dk, dv = sizes
+    q, k, v, grad, s0, _ = _inputs(n, dk, dv, dtype, False, 19 * n + dk + dv, b=2 if n < 4096 else 1)
+    chosen = []
+    real = launch.tma_variant
+    monkeypatch.setattr(launch, "tma_variant", lambda name: chosen.append((name, real(name))) or real(name))
+    forced = {"w": dict(dlog_split=False), "narrow-z": dict(dlog_split=True, dlog_wide=False, fused_dk_dv=True),
+              "wide-z": dict(dlog_split=True, dlog_wide=True, fused_dk_dv=True)}[form]
+    got = {}
+    for tma in (True, False):
+        with plan.override(segments=segments, tma_io=tma, **forced), monkeypatch.context() as m:
+            got[tma] = _grads(q, k, v, grad, None if form != "w" else s0, m, fused=True)
+    dlog_names = [(nm, tw) for nm, tw in chosen if nm.count(",") == 6]  # the dq pass's own instance
+    assert dlog_names and all(tw is not None for _, tw in dlog_names), chosen
+    for a, b, what in zip(got[True], got[False], ("dq", "dk", "dv", "dlog gamma")):
+        assert torch.equal(a, b), what

@@ -61,17 +61,21 @@ def test_dlog_and_mma_instances_keep_two_stages():
 
 
 def test_tma_instances_are_the_plain_aligned_wgmma_ones_at_their_default_stages():
-    """Each plain wgmma instance on aligned rows at the stages the plan gives it has a TMA twin (tenth
-    argument), with the same shared memory plus an mbarrier per stage; no other instance has one."""
+    """Each plain wgmma instance on aligned rows at the stages the plan gives it, and each dq pass that
+    sums dlog(gamma), has a TMA twin (tenth argument), with the same shared memory plus an mbarrier
+    per stage; the fused dk/dv pass (a reversed walk) and other stage counts have none."""
     tma = [c for c in plan.all_configs() if len(c) == 10]
-    assert len(tma) == 8 and all(c[9] and c[3] and c[5] and c[6] is False and c[8] is False for c in tma)
+    plain = [c for c in tma if c[6] is False]
+    assert len(plain) == 8 and all(c[9] and c[3] and c[5] and c[8] is False for c in tma)
+    # and the dq passes that sum dlog(gamma): W, the Z split at 64 and (bf16) 128 columns
+    assert sorted(str(c[6]) for c in tma if c[6] is not False) == ["2"] * 4 + ["3"] * 2 + ["True"] * 4
     assert plan.tma_variant("rtk_chunk_fwd<2, 128, 128, true, 1, true>") == (
         "rtk_chunk_fwd<2, 128, 128, true, 1, true, false, 2, false, true>",
         plan.config_smem((2, 128, 128, True, 1, True)) + 16)
     assert plan.tma_variant("rtk_chunk_fwd<2, 128, 64, true, 1, true, false, 3>")[0].endswith("false, 3, false, true>")
+    assert plan.tma_variant("rtk_chunk_fwd<2, 128, 128, true, 1, true, 3>")[0].endswith(", 3, 2, false, true>")
     for name in ("rtk_chunk_fwd<2, 128, 128, true, 1, true, false, 3>",  # not the plan's stages for bf16 BV 128
                  "rtk_chunk_fwd<2, 128, 128, false, 1, true>",  # unaligned rows
-                 "rtk_chunk_fwd<2, 128, 64, true, 1, true, 2>",  # the dlog dq pass
                  "rtk_chunk_fwd<2, 128, 128, true, 1, true, false, 2, true>"):  # the fused dk/dv pass
         assert plan.tma_variant(name) is None, name
     assert all(plan.config_smem(c) <= plan.SMEM_LIMIT_SM90 for c in tma)

@@ -4,10 +4,10 @@ per step, then per step the span from the first kernel to the last, the kernels'
 the GPU's idle gaps over 5 us with the kernels around them. ``--flush``: overwrite 256 MB before
 each step (the L2 evicted, as the bench times a call).
 
-    python bench/profiling/bwd_breakdown.py [small|mid|long] [--trainable] [--flush] [--dtype fp16|fp32|tf32]
+    python bench/profiling/bwd_breakdown.py [small|mid|long] [--trainable] [--flush] [--no-tma] [--dtype fp16|fp32|tf32]
 
 ``--dtype``: the inputs' dtype (bf16 unless given); ``tf32`` is float32 with fp32_precision="tf32",
-``fp32`` float32 in the "exact" mode.
+``fp32`` float32 in the "exact" mode. ``--no-tma``: the kernels' cp.async instances (``Overrides(tma_io=False)``).
 """
 import sys
 
@@ -16,9 +16,12 @@ from torch.profiler import ProfilerActivity, profile
 
 import rtkernels
 from rtkernels.cli.bench.harness import SHAPES
+from rtkernels.methods.chunk import plan
 
 name = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in ("small", "mid", "long") else "mid"
 trainable, flush = "--trainable" in sys.argv, "--flush" in sys.argv
+if "--no-tma" in sys.argv:
+    plan.overrides = plan.Overrides(tma_io=False)
 dname = sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "bf16"
 dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "tf32": torch.float32}[dname]
 precision = "tf32" if dname == "tf32" else "exact"
@@ -47,7 +50,7 @@ with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.cuda.synchronize()
         step()
         torch.cuda.synchronize()
-print(f"{name} {(b, h, n, d)} {dname} trainable={trainable} flush={flush}: per step")
+print(f"{name} {(b, h, n, d)} {dname} trainable={trainable} flush={flush} tma={plan.overrides.tma_io}: per step")
 kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
 steps: list[list] = []
 for e in kernels:

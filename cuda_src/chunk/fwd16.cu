@@ -1,5 +1,4 @@
-// chunk/fwd16.cu -- rtk_chunk_fwd: the chunked form for fp16/bf16, fused, on tensor cores
-// (mma.sync m16n8k16; with WG on sm_90a the output warps use wgmma).
+// chunk/fwd16.cu -- rtk_chunk_fwd: the chunked form for fp16/bf16, fused, on tensor cores (mma.sync; WG: wgmma)
 //
 // One CTA of 8 warps per (batch*head, tile of BV value columns) walks the sequence in chunks of
 // C = 64 tokens. With S the KMAX x BV state slice entering a chunk of len <= C tokens (index t):
@@ -48,12 +47,11 @@
 // q S from shared memory, P v with P from registers); else each output warp uses mma.sync.
 // STAGES: chunks of tiles in shared memory: 2, or (wgmma, no DLOG) 3, twice the bytes in flight.
 // DLOG, DUAL: see the header (aligned rows, wgmma; DLOG not RTK_MODE_STATES; DUAL two stages, Dv <= BV).
-// TMA (wgmma, aligned rows, a forward walk, unpacked, no DLOG/DUAL): one state thread loads each
-// chunk as tensor copies on the stage's mbarrier, each output warp sends its rows as tensor stores.
-// Why: on an H200 cp.async's address arithmetic took a quarter of the state warps' issue time and
-// the row copies a quarter of the output warps' (whose periods are as long). `maps`: zeros elsewhere.
+// TMA (wgmma, aligned rows, a forward walk, unpacked, no DUAL): one state thread loads each chunk by
+// tensor copies on the stage's mbarrier, each output warp sends its rows by tensor stores. Why: on an
+// H200 these took a quarter of each group's issue slots as cp.async and row copies. Zeros elsewhere.
 struct rtk_fwd_maps {
-  rtk_tmap q, k, v, o;  // rank 4 over the tensors as stored: (column, token, head, batch)
+  rtk_tmap q, k, v, o, x;  // rank 4 over the tensors as stored: (column, token, head, batch); x: DLOG 1, 2
 };
 
 template <int DT, int KMAX, int BV, bool VEC, int MINB, bool WG, int DLOG = 0, int STAGES = 2, bool DUAL = false,
@@ -87,7 +85,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
   static_assert(!ZSMEM || DT == RTK_BF16, "the Z copy is not scaled: bf16 only");
   static_assert(STAGES == 2 || (STAGES == 3 && WG && VEC && !DLOG), "bad stages");
   static_assert(!DUAL || (WG && VEC && !WFORM && STAGES == 2), "bad dual tile");
-  static_assert(!TMA || (WG && VEC && !DLOG && !DUAL), "bad tma instance");
+  static_assert(!TMA || (WG && VEC && !DUAL), "bad tma instance");
   static_assert(L::BYTES <= 227 * 1024, "shared memory");
 
   extern __shared__ __align__(16) unsigned char smem_base[];
@@ -125,16 +123,15 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     rtk_u16* sK = sm + stage * L::STAGE + L::K;
     rtk_u16* sV = sm + stage * L::STAGE + L::V;
     const int n0 = grid.start(chunk), lim = ZWALK ? n0 + grid.len(chunk, n0) : NS;  // rows from lim load as 0
-    if constexpr (TMA) {  // rows past N arrive as zeros (only the last segment ends short of a chunk)
-      if (st == 0) {
-        const int y = (int)n_begin + n0;
-        const rtk_u32 bar = bars + 8 * stage;
-        rtk_mbar_expect(bar, ((states_only ? 0 : KMAX) + KMAX + BV) * C * 2);
-        if (!states_only) rtk_tensor_load_boxes<KMAX / 64>(rtk_smem_addr(sQ), &maps.q, 0, y, h, b, bar);
-        rtk_tensor_load_boxes<KMAX / 64>(rtk_smem_addr(sK), &maps.k, 0, y, h, b, bar);
-        rtk_tensor_load_boxes<BV / 64>(rtk_smem_addr(sV), &maps.v, v0, y, h, b, bar);
-      }
+    // TMA: tensor copies (zeros past N); a Z walk's short chunk 0 by cp.async (a box brings chunk 1's rows)
+    if (TMA && !(ZWALK && chunk == 0 && grid.first < C)) {
+      if (st == 0)
+        rtk_chunk_tma_load<KMAX, BV, DQ_DLOG && !ZSMEM>(
+            rtk_smem_addr(sQ), rtk_smem_addr(sK), rtk_smem_addr(sV), rtk_smem_addr(sm + stage * L::STAGE + L::X), &maps.q,
+            &maps.k, &maps.v, &maps.x, !states_only, (int)n_begin + n0, v0, h, b, bars + 8 * stage);
+      if (ZSMEM) rtk_dlog_x_prefetch(xb, v_sn, n0, lim, st);
     } else if (VEC) {
+      if (TMA && st == 0) rtk_mbar_expect(bars + 8 * stage, 0u);  // (the stage's barrier passes, no bytes)
       ld.template copy<C, KS, VS>(rtk_smem_addr(sQ + L::qk_off(ld.qrow, ld.qcol >> 3)),
                                   rtk_smem_addr(sK + L::qk_off(ld.qrow, ld.qcol >> 3)),
                                   rtk_smem_addr(sV + L::v_off(vrow, vcol >> 3)), n0, lim, !states_only);
@@ -169,6 +166,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
       // chunk `next` is in; the one after it may still be loading
       if (!TMA) rtk_cp_async_wait<STAGES - 2>();
       else if (next < nchunks) rtk_mbar_wait(bars + 8 * (next % STAGES), (rtk_u32)(next / STAGES) & 1u);
+      if (TMA && ZWALK && next == 0 && grid.first < C) rtk_cp_async_wait<0>();  // its cp.async chunk 0
       if (!VEC) rtk_named_sync(1, 128);  // the chunk was stored by other state warps
       if (next < nchunks) {  // the v pieces of this thread's loader set (DUAL: and k's): any Inf/NaN?
         const rtk_u16* tiles = sm + (next % STAGES) * L::STAGE;
@@ -196,7 +194,7 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
     const int w = warp, r0 = 16 * warp;  // this warp's rows r0 .. r0+15 of each chunk
     const rtk_chunk_decay dec(lg2, out_scale, g, t4, r0);
     // the wgmma kernel sends whole, 16-byte aligned output rows with bulk copies
-    const bool osend = TMA || (WG && ovec_full && o_sn % 8 == 0 && (reinterpret_cast<size_t>(ob + v0) & 15) == 0);
+    const bool orows = WG && ovec_full && o_sn % 8 == 0 && (reinterpret_cast<size_t>(ob + v0) & 15) == 0, osend = TMA || orows;
     // DUAL: o2's rows, of k's strides, KMAX (= Dk, else paired stores column by column) wide
     rtk_u16* ob2 = DUAL ? reinterpret_cast<rtk_u16*>(p.out2) + rtk_offset(ks, b, h, n_begin) : nullptr;
     const bool ovec2 = DUAL && Dk == KMAX && (k_sn & 1) == 0 && (reinterpret_cast<size_t>(ob2) & 3) == 0;
@@ -362,10 +360,12 @@ rtk_chunk_fwd(RTK_FWD_POINTERS(rtk_u16), const __grid_constant__ rtk_chunk_shape
         rtk_chunk_mark_nonfinite(o_acc, r0, g, t4,
                                  [&](int s2, int c) -> int { return (sV[L::v_off(s2, c >> 3) + (c & 7)] & EXP) == EXP; });
       }
-      if constexpr (TMA)
-        rtk_chunk_send_box<DT, NT, L::OBUF>(&maps.o, o_acc, rtk_smem_addr(sm + L::O + (chunk % L::OBUF) * C * L::OS + w * 16 * BV),
-                                            lane, v0, (int)n_begin + n0 + r0, h, b);
-      else if (WG && osend)
+      // TMA, ZWALK: a short chunk 0 by stores from registers (a box would write chunk 1's rows)
+      if (TMA && !(ZWALK && len < C)) {
+        if constexpr (TMA)
+          rtk_chunk_send_box<DT, NT, L::OBUF>(&maps.o, o_acc, rtk_smem_addr(sm + L::O + (chunk % L::OBUF) * C * L::OS + w * 16 * BV),
+                                              lane, v0, (int)n_begin + n0 + r0, h, b);
+      } else if (orows && !TMA)
         rtk_chunk_send_rows<DT, NT, L::OS, L::OBUF>(ob, o_acc, rtk_smem_addr(sm + L::O + (chunk % L::OBUF) * C * L::OS),
                                                      n0, r0, lane, len, o_sn, v0);
       else

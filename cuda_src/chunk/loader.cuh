@@ -68,3 +68,17 @@ struct rtk_chunk_loader {
     }
   }
 };
+
+// A chunk's tensor copies into a stage, by one thread (the TMA instances): the q and k tiles (KMAX
+// wide; q unless with_q is false) and the v and, with XT, x tiles (BV wide from column v0), tokens
+// y .. y + 63 of head h, batch b, all completing on mbarrier `bar`, which this call arms with their bytes.
+template <int KMAX, int BV, bool XT>
+__device__ __forceinline__ void rtk_chunk_tma_load(rtk_u32 sq, rtk_u32 sk, rtk_u32 sv, rtk_u32 sx, const rtk_tmap* q,
+                                                   const rtk_tmap* k, const rtk_tmap* v, const rtk_tmap* x, bool with_q,
+                                                   int y, int v0, int h, int b, rtk_u32 bar) {
+  rtk_mbar_expect(bar, ((with_q ? KMAX : 0) + KMAX + (XT ? 2 : 1) * BV) * 64 * 2);
+  if (with_q) rtk_tensor_load_boxes<KMAX / 64>(sq, q, 0, y, h, b, bar);
+  rtk_tensor_load_boxes<KMAX / 64>(sk, k, 0, y, h, b, bar);
+  rtk_tensor_load_boxes<BV / 64>(sv, v, v0, y, h, b, bar);
+  if (XT) rtk_tensor_load_boxes<BV / 64>(sx, x, v0, y, h, b, bar);
+}

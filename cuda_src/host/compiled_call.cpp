@@ -43,7 +43,7 @@ enum Source : int { SRC_Q, SRC_K, SRC_V, SRC_OUT, SRC_DECAY, SRC_S0, SRC_FINAL, 
 constexpr int MAX_WORDS = 96;        // 8-byte kernel parameter words of one launch
 constexpr size_t MAX_ENTRIES = 512;  // a backstop: Python's call cache, as large, clears this one with itself
 constexpr int INVALID_CONTEXT = 201;  // CUDA_ERROR_INVALID_CONTEXT: a thread with no current context
-constexpr int MAP_BYTES = 128, MAX_MAPS = 4;  // a CUtensorMap (64-byte aligned)
+constexpr int MAP_BYTES = 128, MAX_MAPS = 5;  // a CUtensorMap (64-byte aligned)
 
 struct Launch {
   void* fn = nullptr;

@@ -15,10 +15,10 @@ from ...decay import LogDecay
 from ...jit import get_function
 from ...jit.tensor_map import TensorMaps
 from .._launch import FWD_POINTERS, fwd_tail, row_address, unit_stride
-from .plan import (FWD16_SOURCE, MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE, STATES_SOURCE,
-                   STATES_TF32_SOURCE, TF32_WG_SOURCE, Launch, _sm_count, _smem_limit, aligned, current_overrides,
-                   dlog_launch, dual_launch, fold_parts, key_pieces, override, packed_launch, plan_launch,
-                   split, states_config, states_name, states_options, states_smem_bytes, states_tma,
+from .plan import (CHUNK_FIELDS, FWD16_SOURCE, MODE_FOLD, MODE_FUSED, MODE_STATES, NO_EXTRAS, SEG_SCAN_SOURCE,
+                   STATES_SOURCE, STATES_TF32_SOURCE, TF32_WG_SOURCE, Launch, _sm_count, _smem_limit, aligned,
+                   current_overrides, dlog_launch, dual_launch, fold_parts, key_pieces, override, packed_launch,
+                   plan_launch, split, states_config, states_name, states_options, states_smem_bytes, states_tma,
                    tf32_states_config, tf32_states_name, tf32_states_smem_bytes, tf32_wg_planned, tma_variant,
                    tuned_launch)
 
@@ -28,8 +28,11 @@ __all__ = ["ChunkLaunch", "KeyPiecesLaunch", "kernel_prepare", "kernel_forward",
 
 #: The states kernel's tensor-map parameter for its cp.async instances (never read: zeros).
 _NO_MAPS = TensorMaps(2)
-#: The same for ``rtk_chunk_fwd`` (q, k, v, o) and its instances that take no tensor copies.
-_NO_FWD_MAPS = TensorMaps(4)
+#: The same for ``rtk_chunk_fwd`` (q, k, v, o, x) and its instances that take no tensor copies.
+_NO_FWD_MAPS = TensorMaps(5)
+#: Where a dlog(gamma) launch's x address comes among a call's arguments (the pointers, then the
+#: struct's late fields from cu_seqlens on: ChunkLaunch.__call__).
+_X_ARG = 7 + CHUNK_FIELDS.index("x") - 3
 
 
 def _encode(maps: TensorMaps, i: int, x: torch.Tensor, rows: int) -> bool:
@@ -42,13 +45,14 @@ def _encode(maps: TensorMaps, i: int, x: torch.Tensor, rows: int) -> bool:
     return maps.encode(i, x.data_ptr(), (d, n, h, b), strides, (64, rows, 1, 1))
 
 
-def _fwd_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> Optional[TensorMaps]:
-    """The TMA forward instance's tensor maps of q, k, v and out (a forward walk; :func:`_encode`),
-    boxes of 64 tokens (the loads) and 16 (an output warp's rows); each follows head pointer 0..3 of
-    a call. None where the driver refuses one."""
-    maps = TensorMaps(4, [(0, 0), (1, 0), (2, 0), (3, 0)])
-    ok = all(_encode(maps, i, x, rows) for i, (x, rows) in enumerate(((q, 64), (k, 64), (v, 64), (out, 16))))
-    return maps if ok else None
+def _fwd_maps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dlog: bool) -> Optional[TensorMaps]:
+    """The TMA instance's tensor maps (a forward walk; :func:`_encode`) of q, k, v, out and, for a dq
+    pass that sums dlog(gamma), x (read with v's strides: described by v, pointed at x by each call);
+    boxes of 64 tokens (the loads) or 16 (an output warp's rows). Each follows its pointer of a call.
+    None where the driver refuses one."""
+    items = ((q, 64), (k, 64), (v, 64), (out, 16)) + (((v, 64),) if dlog else ())
+    maps = TensorMaps(5, [(0, 0), (1, 0), (2, 0), (3, 0)] + ([(_X_ARG, 0)] if dlog else []))
+    return maps if all(_encode(maps, i, x, rows) for i, (x, rows) in enumerate(items)) else None
 
 
 def _kv_maps(k: torch.Tensor, v: torch.Tensor, offsets: Optional[tuple[int, ...]]) -> TensorMaps:
@@ -165,9 +169,9 @@ class ChunkLaunch:
         # rtk_chunk_fwd's tensor maps: the TMA instance's for a forward walk over unpacked sequences
         # where the driver takes all four, zeros for its other instances; the float32 kernels take none
         fmaps = _NO_FWD_MAPS if lp.source == FWD16_SOURCE else None
-        tma = None if reverse or sequences or dlog or dual or fmaps is None else tma_variant(name)
+        tma = None if reverse or sequences or dual or fmaps is None else tma_variant(name)
         if tma is not None and over.tma_io:  # (a twin exists only for wgmma instances, which only Hopper runs)
-            maps = _fwd_maps(q, k, v, out)
+            maps = _fwd_maps(q, k, v, out, dlog)
             if maps is not None:
                 (name, smem), fmaps = tma, maps
         seg_len, nseg = split(n, nseg)

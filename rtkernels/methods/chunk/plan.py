@@ -174,20 +174,23 @@ def all_configs() -> list[tuple]:
             for z in (False, True)} | {dlog_config(torch.bfloat16, dk, True, True, True) for dk in (64, 128)}
     dual = {dual_config(dt, dk, dv, True, z) for dt in (torch.float16, torch.bfloat16)
             for dk in (64, 128) for dv in (64, 128) for z in (False, True)}
-    tma = {_tma_config(c) for c in wg if c[3]}
+    tma = {_tma_config(c) for c in wg if c[3]} | {_tma_config(c) for c in dlog if c is not None}
     return sorted(plain | wg | dlog | dual | tma | _f32_configs())
 
 
 def _tma_config(config: tuple) -> tuple:
-    """The TMA instance of a plain wgmma :func:`kernel_config` template on aligned rows: (DT, KMAX,
-    BV, VEC, MINB, WG, DLOG = false, STAGES, DUAL = false, TMA = true)."""
-    return (*config[:6], False, fwd_stages(config), False, True)
+    """The TMA instance of a plain wgmma :func:`kernel_config` template on aligned rows, or of a dq
+    pass that sums dlog(gamma) (:func:`dlog_config`): (DT, KMAX, BV, VEC, MINB, WG, DLOG, STAGES, DUAL
+    = false, TMA = true)."""
+    return (*config[:6], config[6] if len(config) > 6 else False, fwd_stages(config), False, True)
 
 
 @functools.lru_cache(maxsize=None)
 def _tma_variants() -> dict[str, tuple[str, int]]:
-    tma = [c for c in all_configs() if len(c) == 10 and c[9]]  # (the plain instance has 6 arguments at 2 stages)
-    return {name_expression(c[:6] if c[7] == 2 else c[:8]): (name_expression(c), config_smem(c)) for c in tma}
+    tma = [c for c in all_configs() if len(c) == 10 and c[9]]
+    # the twin's own name: 6 arguments for a plain instance at 2 stages, 7 for DLOG 3, 8 at 3 stages
+    return {name_expression(c[:7] if c[6] else c[:6] if c[7] == 2 else c[:8]): (name_expression(c), config_smem(c))
+            for c in tma}
 
 
 def tma_variant(name: str) -> Optional[tuple[str, int]]:
