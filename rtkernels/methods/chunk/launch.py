@@ -167,7 +167,7 @@ class ChunkLaunch:
             lp = pass_launch(q.dtype, b, h, n, dk, dv, dev, vec, exact, tuned)
         name, bv, nseg, smem, threads, opts = lp.name, lp.bv, lp.segments, lp.smem, lp.threads, lp.options
         # rtk_chunk_fwd's tensor maps: the TMA instance's for a forward walk over unpacked sequences
-        # where the driver takes all four, zeros for its other instances; the float32 kernels take none
+        # where the driver takes them all, zeros for its other instances; the float32 kernels take none
         fmaps = _NO_FWD_MAPS if lp.source == FWD16_SOURCE else None
         tma = None if reverse or sequences or dual or fmaps is None else tma_variant(name)
         if tma is not None and over.tma_io:  # (a twin exists only for wgmma instances, which only Hopper runs)

@@ -188,7 +188,7 @@ def _tma_config(config: tuple) -> tuple:
 @functools.lru_cache(maxsize=None)
 def _tma_variants() -> dict[str, tuple[str, int]]:
     tma = [c for c in all_configs() if len(c) == 10 and c[9]]
-    # the twin's own name: 6 arguments for a plain instance at 2 stages, 7 for DLOG 3, 8 at 3 stages
+    # the name of the instance it doubles: 6 arguments (plain, 2 stages), 7 (a dlog pass), 8 (3 stages)
     return {name_expression(c[:7] if c[6] else c[:6] if c[7] == 2 else c[:8]): (name_expression(c), config_smem(c))
             for c in tma}
 
