@@ -32,7 +32,7 @@ _NO_MAPS = TensorMaps(2)
 _NO_FWD_MAPS = TensorMaps(5)
 #: Where a dlog(gamma) launch's x address comes among a call's arguments (the pointers, then the
 #: struct's late fields from cu_seqlens on: ChunkLaunch.__call__).
-_X_ARG = 7 + CHUNK_FIELDS.index("x") - 3
+_X_ARG = FWD_POINTERS + CHUNK_FIELDS.index("x") - CHUNK_FIELDS.index("cu_seqlens")
 
 
 def _encode(maps: TensorMaps, i: int, x: torch.Tensor, rows: int) -> bool:
