@@ -374,7 +374,7 @@ def _drive_dq_dlog() -> Optional[str]:
                    decay_grad=True)
         _train(*_qkv(2, 3, 65, 128, 96, dt), f"dlog in dq pass, final state {dt}", decay_grad=True)
     # the Z split with its 128-wide dq pass (DLOG 3, bf16; no initial state), and its fused dk/dv pass
-    with chunk.override(dlog_wide=True, fused_dk_dv=True, segments=1):
+    with chunk.override(dlog_split=True, dlog_wide=True, fused_dk_dv=True, segments=1):
         _train(*_qkv(1, 2, 200, 128, 128, torch.bfloat16), "Z dq pass 128 wide", decay_grad=True, state=False)
         _train(*_qkv(1, 2, 65, 128, 128, torch.bfloat16), "Z dq pass 128 wide, final state", decay_grad=True,
                initial=False)

@@ -43,3 +43,28 @@ def test_wide_shared_memory():
     config = plan.dlog_config(BF16, 128, True, True, True)
     assert config == (plan.dtype_code(BF16), 128, 128, True, 1, True, 3)
     assert plan.config_smem(config) == want <= plan.SMEM_LIMIT_SM90
+
+
+def test_split_only_where_the_w_pass_has_no_tensor_copy_twin(monkeypatch):
+    """mid (4 x 32 x 4096 x 128, bf16, a 132-SM GPU): the Z split's 128-wide pass would be planned,
+    but W's pass has a TMA twin, which with the plain fused dk/dv pass takes less time; without
+    tensor copies (``tma_io=False``) the split; forced, the split either way."""
+    from rtkernels.methods.chunk import decay_grad
+
+    monkeypatch.setattr(plan, "_sm_count", lambda dev: 132)
+    monkeypatch.setattr(decay_grad, "fuses_dk_dv", lambda *args: True)
+    q = torch.empty(4, 32, 4096, 128, dtype=BF16)
+    plan.dlog_launch.cache_clear()
+    plan.dual_launch.cache_clear()
+    try:
+        w = plan.dlog_launch(BF16, 128, 128, 128, 4096, 0, Overrides())
+        assert plan.tma_variant(w.name) is not None
+        with plan.override():
+            assert decay_grad.z_split_applies(q, q, q, q) is None
+        with plan.override(tma_io=False):
+            assert decay_grad.z_split_applies(q, q, q, q) == 4
+        with plan.override(dlog_split=True):
+            assert decay_grad.z_split_applies(q, q, q, q) == 4
+    finally:
+        plan.dlog_launch.cache_clear()
+        plan.dual_launch.cache_clear()

@@ -145,7 +145,7 @@ def test_wide_z_pass(monkeypatch, n, sizes, with_g):
     dk, dv = sizes
     for positive in (True, False):
         q, k, v, grad, _, g_state = _inputs(n, dk, dv, BF16, positive, 13 * n + dk + dv, b=2 if n < 4096 else 1)
-        with plan.override(dlog_wide=True, fused_dk_dv=True, segments=1):
+        with plan.override(dlog_split=True, dlog_wide=True, fused_dk_dv=True, segments=1):
             assert decay_grad.z_split_applies(q, k, v, grad) is not None
             launch = plan.dlog_launch(BF16, dv, dk, q.shape[0] * q.shape[1], n, q.device.index, plan.current_overrides(),
                                       True)
@@ -169,21 +169,29 @@ def test_narrow_z_pass(monkeypatch, n, sizes, dtype, with_g):
                    g_state if with_g else None)
 
 
-def test_wide_z_pass_by_default_is_sync_free_and_replays_in_a_cuda_graph():
-    """At the bench's mid shape (4 x 32 x 4096 x 128, bf16: 2 B H > SMs) the plan takes the Z split
-    with its 128-wide dq pass unforced; a training step with a trainable CUDA decay then makes no
-    host sync, and forward plus backward captured in a CUDA graph replay equal to eager."""
+@pytest.mark.parametrize("tma_io", [True, False], ids=["tensor-copies", "cp-async"])
+def test_mid_plan_by_default_is_sync_free_and_replays_in_a_cuda_graph(tma_io):
+    """At the bench's mid shape (4 x 32 x 4096 x 128, bf16: 2 B H > SMs) the plan takes, unforced,
+    W's dq pass by tensor copies, or without them the Z split with its 128-wide dq pass; a training
+    step with a trainable CUDA decay then makes no host sync, and forward plus backward captured in
+    a CUDA graph replay equal to eager."""
     b, h, n, d = 4, 32, 4096, 128
 
-    def takes_the_wide_pass(q, k, v, grad):
+    def takes_the_planned_pass(q, k, v, grad):
+        if tma_io:
+            assert decay_grad.z_split_applies(q, k, v, grad) is None
+            launch = plan.dlog_launch(BF16, d, d, b * h, n, q.device.index, plan.current_overrides())
+            assert plan.tma_variant(launch.name) is not None
+            return
         assert decay_grad.z_split_applies(q, k, v, grad) is not None
         launch = plan.dlog_launch(BF16, d, d, b * h, n, q.device.index, plan.current_overrides(), True)
         assert launch.bv == 128 and launch.name.endswith(", 3>")
 
     decay = (1 - torch.exp(torch.linspace(-3.5, -6.2, h, device="cuda"))).requires_grad_()
-    eager = assert_training_step_replays((b, h, n, d), 8, decay,
-                                         1 - torch.exp(torch.linspace(-2.5, -7.0, h, device="cuda")),
-                                         takes_the_wide_pass)
+    with plan.override(tma_io=tma_io):
+        eager = assert_training_step_replays((b, h, n, d), 8, decay,
+                                             1 - torch.exp(torch.linspace(-2.5, -7.0, h, device="cuda")),
+                                             takes_the_planned_pass)
     assert all(bool(torch.isfinite(g).all()) for g in eager)
 
 

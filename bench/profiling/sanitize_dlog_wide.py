@@ -12,7 +12,7 @@ from rtkernels.methods.chunk import decay_grad, plan
 torch.manual_seed(0)
 for n in (200, 64):
     for with_state in (False, True):
-        with plan.override(dlog_wide=True, fused_dk_dv=True, segments=1):
+        with plan.override(dlog_split=True, dlog_wide=True, fused_dk_dv=True, segments=1):
             assert plan.dlog_launch(torch.bfloat16, 128, 128, 2, n, 0, plan.current_overrides(), True).bv == 128
             q, k, v = (torch.randn(1, 2, n, 128, device="cuda").bfloat16().requires_grad_() for _ in range(3))
             assert decay_grad.z_split_applies(q, k, v, q) is not None

@@ -95,7 +95,7 @@ from ...decay import LogDecay
 from ...jit import Kernel, dtype_code, get_function, launch
 from .._launch import fwd_tail, unit_stride
 from .plan import (WGMMA_OPTIONS, _sm_count, _wgmma_ok, aligned, current_overrides, dlog_config, dlog_launch, dual_launch,
-                   fuses_dk_dv, split, tf32_dlog_segments)
+                   fuses_dk_dv, split, tf32_dlog_segments, tma_variant)
 
 __all__ = ["SOURCE", "SOURCE_F32", "SOURCE_TF32", "SUM_SOURCE", "SUM_KERNEL", "CHUNK", "kernel_config", "kernel_config_f32",
            "all_configs", "all_configs_f32", "name_expression", "name_expression_f32", "smem_bytes", "smem_bytes_f32",
@@ -397,7 +397,9 @@ def z_split_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out:
     is never split), the dk and dv passes fuse (:func:`.plan.fuses_dk_dv`, k standing for the dk
     buffer, which takes its strides), and its dq pass takes the 128-wide instance
     (:func:`.plan.dlog_launch`; with 64-wide tiles the split only moves time from the dq pass to the
-    dk/dv pass). ``Overrides.dlog_split``: False never, True with either width. Returns the fused
+    dk/dv pass), and only where the W form's pass has no tensor-copy twin (:func:`.plan.tma_variant`;
+    with one, W's pass and the plain fused pass take less time). ``Overrides.dlog_split``: False
+    never, True with either width. Returns the fused
     pass's CTA rows (its segments * B), which the partial sums' buffer holds after the dq pass's
     (:class:`PartialSums`), else None. The caller checks the rest: no initial state, and a
     final-state gradient only where it rides on the reversed passes."""
@@ -405,8 +407,12 @@ def z_split_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out:
     b, h, n, dk = q.shape
     if over.dlog_split is False or _partials_shape(q, v)[0] != b:
         return None
-    if over.dlog_split is None and dlog_launch(q.dtype, v.shape[-1], dk, b * h, n, q.device.index, over, True).bv != 128:
-        return None
+    if over.dlog_split is None:
+        dev, dv = q.device.index, v.shape[-1]
+        if dlog_launch(q.dtype, dv, dk, b * h, n, dev, over, True).bv != 128:
+            return None
+        if over.tma_io and tma_variant(dlog_launch(q.dtype, dv, dk, b * h, n, dev, over).name) is not None:
+            return None  # W's pass by tensor copies and the plain fused pass are faster (H200, mid)
     if not fuses_dk_dv(q, k, v, grad_out, k, over):
         return None
     return dual_launch(q.dtype, dk, v.shape[-1], b * h, n, q.device.index, over, True).segments * b

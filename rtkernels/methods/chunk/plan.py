@@ -446,7 +446,7 @@ class Overrides:
     dv passes as one walk (:func:`fuses_dk_dv`): True wherever it can, False never, None the
     heuristic. ``dlog_split``: a trainable decay's dlog(gamma) by the Z split
     (:func:`rtkernels.methods.chunk.decay_grad.z_split_applies`): False never, True wherever it
-    applies, None where its dq pass is 128 wide. ``dlog_wide``: the Z split's dq pass with 128-wide
+    applies, None where its dq pass is 128 wide and W's pass has no tensor-copy twin. ``dlog_wide``: the Z split's dq pass with 128-wide
     value tiles, Z kept only in its 16-bit copy (bf16; :func:`dlog_config` with ``wide``): False
     never, True wherever it exists, None where the 64-wide pass would need two waves
     (:func:`dlog_launch`). ``tma_io``: a forward walk's wgmma kernel with its tiles by tensor copies and
