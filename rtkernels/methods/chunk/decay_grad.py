@@ -400,8 +400,9 @@ def z_split_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out:
     dk/dv pass), and only where the W form's pass has no tensor-copy twin (:func:`.plan.tma_variant`;
     with one, W's pass and the plain fused pass take less time). ``Overrides.dlog_split``: False
     never, True with either width. Returns the fused pass's CTA rows (its segments * B), which the
-    partial sums' buffer holds after the dq pass's (:class:`PartialSums`), else None. The caller checks the rest: no initial state, and a
-    final-state gradient only where it rides on the reversed passes."""
+    partial sums' buffer holds after the dq pass's (:class:`PartialSums`), else None. The caller
+    checks the rest: no initial state, and a final-state gradient only where it rides on the
+    reversed passes."""
     over = current_overrides()
     b, h, n, dk = q.shape
     if over.dlog_split is False or _partials_shape(q, v)[0] != b:

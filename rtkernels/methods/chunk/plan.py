@@ -195,11 +195,11 @@ def _tma_variants() -> dict[str, tuple[str, int]]:
 
 def tma_variant(name: str) -> Optional[tuple[str, int]]:
     """(name expression, dynamic shared memory) of the TMA instance of the wgmma instance ``name``
-    (aligned rows; a plain forward, or a dq pass that sums dlog(gamma)), or None where there is none: the tiles arrive as tensor copies
-    on an mbarrier per stage and the output rows leave as tensor stores (``cuda_src/chunk/
-    fwd16.cu``, TMA). The launch takes it only for a forward walk over unpacked sequences whose
-    tensor maps (q, k, v, out, and x for a dlog pass) the driver accepts, unless ``Overrides.tma_io``
-    is False."""
+    (aligned rows; a plain forward, or a dq pass that sums dlog(gamma)), or None where there is
+    none: the tiles arrive as tensor copies on an mbarrier per stage and the output rows leave as
+    tensor stores (``cuda_src/chunk/fwd16.cu``, TMA). The launch takes it only for a forward walk
+    over unpacked sequences whose tensor maps (q, k, v, out, and x for a dlog pass) the driver
+    accepts, unless ``Overrides.tma_io`` is False."""
     return _tma_variants().get(name)
 
 
@@ -448,11 +448,11 @@ class Overrides:
     heuristic. ``dlog_split``: a trainable decay's dlog(gamma) by the Z split
     (:func:`rtkernels.methods.chunk.decay_grad.z_split_applies`): False never, True wherever it
     applies, None where its dq pass is 128 wide and W's pass has no tensor-copy twin.
-    ``dlog_wide``: the Z split's dq pass with 128-wide value tiles, Z kept only in its 16-bit copy (bf16; :func:`dlog_config` with ``wide``): False
-    never, True wherever it exists, None where the 64-wide pass would need two waves
-    (:func:`dlog_launch`). ``tma_io``: a forward walk's wgmma kernel with its tiles by tensor copies and
-    its output rows by tensor stores (:func:`tma_variant`) where it can (True), or by cp.async and
-    bulk copies of rows (False)."""
+    ``dlog_wide``: the Z split's dq pass with 128-wide value tiles, Z kept only in its 16-bit copy
+    (bf16; :func:`dlog_config` with ``wide``): False never, True wherever it exists, None where the
+    64-wide pass would need two waves (:func:`dlog_launch`). ``tma_io``: a forward walk's wgmma
+    kernel with its tiles by tensor copies and its output rows by tensor stores (:func:`tma_variant`)
+    where it can (True), or by cp.async and bulk copies of rows (False)."""
 
     segments: Optional[int] = None
     wgmma: Optional[bool] = None
